@@ -1,0 +1,26 @@
+# One idempotent setup: `make setup` builds .venv for this machine; a second run is a no-op.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, from the pinned CPU build; constraints keep every later step on it.
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[cpu,dev]'
+	# Registry builds of these do not match CPU torch and break `import transformers`.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: setup
+	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+lint: setup
+	$(BIN)/ruff check .

@@ -1,0 +1,24 @@
+"""speculators-peagle-plugin: train P-EAGLE parallel-drafting drafts and prove them in vLLM.
+
+Importing the package only binds names; registration with speculators happens
+through the ``speculators.algorithms`` entry point.
+"""
+
+from .config import CODConfig
+from .masks import (
+    create_peagle_mask_mod,
+    dense_peagle_mask,
+    document_ids_from_lengths,
+    lengths_from_document_ids,
+)
+from .sampling import assign_cod_segments, generate_cod_sample_indices
+
+__all__ = [
+    "CODConfig",
+    "assign_cod_segments",
+    "create_peagle_mask_mod",
+    "dense_peagle_mask",
+    "document_ids_from_lengths",
+    "generate_cod_sample_indices",
+    "lengths_from_document_ids",
+]
