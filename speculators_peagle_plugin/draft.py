@@ -1,0 +1,275 @@
+"""P-EAGLE draft model: mixins over speculators 0.9.0's EAGLE-3 draft classes.
+
+The mixins reference only attributes the host classes define plus the helpers in
+:mod:`.attention`; nothing here imports from a module that imports this one.
+
+Legend: ``N`` = COD elements in the flat sequence, ``H`` = draft hidden size,
+``H_t`` = target hidden size, ``n_aux`` = captured target layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.models.eagle3.model_definitions import (
+    LlamaDecoderEagle3FirstLayer,
+    Qwen3DecoderEagle3FirstLayer,
+)
+from speculators.models.peagle.config import PEagleSpeculatorConfig
+from torch.utils.checkpoint import checkpoint
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    apply_rotary_pos_emb,
+)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
+
+from .attention import PeagleMask, peagle_attention, resolve_attention_impl
+from .masks import document_ids_from_lengths
+
+__all__ = [
+    "PEagleDraftModel",
+    "_PeagleAttentionMixin",
+    "_PeagleDecoderLayerMixin",
+    "_PeagleDraftMixin",
+    "_PeagleVanillaLayerMixin",
+]
+
+
+class _PeagleAttentionMixin:
+    """P-EAGLE single parallel-group attention for a llama / qwen3 attention module."""
+
+    def forward_peagle(
+        self,
+        combined_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        block_mask: PeagleMask,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention over all COD depths in one pass.
+
+        Args:
+            combined_states: ``[1, N, in]`` layer input.
+            position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``; they
+                enter through ``position_embeddings`` (RoPE cos/sin of these
+                positions, computed once per forward by the draft).
+            block_mask: the COD visibility (:class:`PeagleMask`).
+
+        Returns:
+            ``[1, N, H]``. No per-depth rotary offset and no cache: the depth is in
+            the positions, the cross-depth visibility entirely in ``block_mask``.
+        """
+        shape = (*combined_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(combined_states).view(shape)
+        k = self.k_proj(combined_states).view(shape)
+        v = self.v_proj(combined_states).view(shape).transpose(1, 2)
+        if hasattr(self, "q_norm"):  # qwen3 normalises per head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, heads, N, D]
+        return self.o_proj(out.transpose(1, 2).reshape(*combined_states.shape[:-1], -1))
+
+
+class _PeagleDecoderLayerMixin:
+    """P-EAGLE forward for the fused first layer (``[embeds, hidden]`` input)."""
+
+    def forward_peagle(
+        self,
+        input_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        block_mask: PeagleMask,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Same norms, residuals and MLP as speculators' first layer, COD attention.
+
+        Args:
+            input_embeds: ``[1, N, H]`` token embeddings (mask token at depth >= 1).
+            hidden_states: ``[1, N, H]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
+        """
+        residual = hidden_states
+        hidden = self.hidden_norm(hidden_states)
+        if self.norm_before_residual:
+            residual = hidden
+        combined = torch.cat([self.input_layernorm(input_embeds), hidden], dim=-1)
+        out = residual + self.self_attn.forward_peagle(
+            combined, position_ids, block_mask, position_embeddings=position_embeddings
+        )
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+
+class _PeagleVanillaLayerMixin:
+    """P-EAGLE forward for a plain pre-norm decoder layer after the first."""
+
+    def forward_peagle(
+        self,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        block_mask: PeagleMask,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Standard pre-norm block over ``[1, N, H]`` with the COD mask."""
+        out = hidden_states + self.self_attn.forward_peagle(
+            self.input_layernorm(hidden_states),
+            position_ids,
+            block_mask,
+            position_embeddings=position_embeddings,
+        )
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+
+class _PeagleDraftMixin:
+    """P-EAGLE draft-model methods for speculators' ``Eagle3DraftModel``."""
+
+    attention_impl: str = "auto"
+
+    def _init_peagle_parameters(self, config) -> None:
+        """Register the learnable ``mask_hidden``, shape ``[1, 1, n_aux * H_t]``.
+
+        It stands in for the target's aux states at every depth >= 1 slot and sits
+        before ``fc`` (``fc.in_features`` wide), so it goes through the same norms
+        and projection as a real aux vector. Key and shape match speculators and
+        vLLM's parallel-drafting loader.
+        """
+        self.mask_hidden = torch.nn.Parameter(torch.randn(1, 1, self.fc.in_features))
+
+    def project_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., n_aux * H_t] -> [..., H]``: optional input norm / per-aux norms, then ``fc``."""
+        if self.input_norm is not None:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        if self.fc_norm is not None:
+            chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden_states = torch.cat(
+                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
+            )
+        return self.fc(aux_hidden_states)
+
+    def masked_projected_hidden(self) -> torch.Tensor:
+        """``mask_hidden`` through :meth:`project_hidden_states`: ``[1, H]``."""
+        return self.project_hidden_states(self.mask_hidden)[0]
+
+    def build_peagle_block_mask(
+        self,
+        anchor_pos: torch.Tensor,
+        depth: torch.Tensor,
+        lengths: torch.Tensor,
+        total_seq_len: int,
+    ) -> list[PeagleMask]:
+        """The COD mask of one sequence, one entry per draft layer.
+
+        Layers share one :class:`PeagleMask` per attention type (speculators'
+        ``layer_types``: full, or sliding with ``config.sliding_window``).
+        """
+        impl = resolve_attention_impl(self.attention_impl, anchor_pos.device)
+        doc = document_ids_from_lengths(lengths.to(anchor_pos.device), total_seq_len)
+        by_window: dict[int | None, PeagleMask] = {}
+        masks = []
+        for i in range(len(self.layers)):
+            window = self.sliding_window if i in self.sliding_window_indices else None
+            if window not in by_window:
+                by_window[window] = PeagleMask(anchor_pos, depth, doc, window, impl)
+            masks.append(by_window[window])
+        return masks
+
+    def _run_draft_layer(self, layer_fn, args=(), kwargs=None):
+        """Run one layer, under non-reentrant activation checkpointing when enabled in training."""
+        kwargs = kwargs or {}
+        if self.training and getattr(self, "is_gradient_checkpointing", False):
+            return checkpoint(layer_fn, *args, use_reentrant=False, **kwargs)
+        return layer_fn(*args, **kwargs)
+
+    def forward_peagle(
+        self,
+        sampled_input_ids: torch.Tensor,
+        sampled_projected_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        block_mask: list[PeagleMask],
+    ) -> torch.Tensor:
+        """Single parallel-group forward over the flattened COD sequence.
+
+        Args:
+            sampled_input_ids: ``[1, N]`` real ids at depth 0, ``mask_token_id`` deeper.
+            sampled_projected_hidden: ``[1, N, H]`` projected aux states at depth 0,
+                :meth:`masked_projected_hidden` deeper.
+            position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``.
+            block_mask: per-layer masks from :meth:`build_peagle_block_mask`.
+
+        Returns:
+            ``[1, N, H]`` pre-logits states (after ``norm`` when ``config.norm_output``).
+        """
+        embeds = self.embed_tokens(sampled_input_ids).to(sampled_projected_hidden.dtype)
+        rope = self.rotary_emb(embeds, position_ids)
+        hidden = sampled_projected_hidden
+        for i, layer in enumerate(self.layers):
+            args = (embeds, hidden) if i == 0 else (hidden,)
+            hidden = self._run_draft_layer(
+                layer.forward_peagle,
+                (*args, position_ids, block_mask[i]),
+                {"position_embeddings": rope},
+            )
+        return self.norm(hidden) if self.config.norm_output else hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of :meth:`forward_peagle` rows: ``[..., H] -> [..., V_d]``."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+
+
+class PeagleLlamaAttention(_PeagleAttentionMixin, LlamaAttention):
+    pass
+
+
+class PeagleQwen3Attention(_PeagleAttentionMixin, Qwen3Attention):
+    pass
+
+
+class PeagleLlamaFirstLayer(_PeagleDecoderLayerMixin, LlamaDecoderEagle3FirstLayer):
+    pass
+
+
+class PeagleQwen3FirstLayer(_PeagleDecoderLayerMixin, Qwen3DecoderEagle3FirstLayer):
+    pass
+
+
+class PeagleLlamaLayer(_PeagleVanillaLayerMixin, LlamaDecoderLayer):
+    pass
+
+
+class PeagleQwen3Layer(_PeagleVanillaLayerMixin, Qwen3DecoderLayer):
+    pass
+
+
+# speculators builds its layers from a module-level table; these subclasses add
+# methods only (no state), so re-typing the built modules keeps their weights,
+# initialisation and state-dict keys exactly as speculators makes them.
+_PEAGLE_CLASS_FOR = {
+    LlamaAttention: PeagleLlamaAttention,
+    Qwen3Attention: PeagleQwen3Attention,
+    LlamaDecoderEagle3FirstLayer: PeagleLlamaFirstLayer,
+    Qwen3DecoderEagle3FirstLayer: PeagleQwen3FirstLayer,
+    LlamaDecoderLayer: PeagleLlamaLayer,
+    Qwen3DecoderLayer: PeagleQwen3Layer,
+}
+
+
+class PEagleDraftModel(_PeagleDraftMixin, Eagle3DraftModel):
+    """speculators' EAGLE-3 draft with the P-EAGLE forward and a required ``mask_hidden``.
+
+    Its config is speculators' ``PEagleSpeculatorConfig``: a saved draft is a
+    ``speculators_model_type: "peagle"`` checkpoint with speculators' key names.
+    ``attention_impl`` (``auto`` | ``flex`` | ``chunked``) picks the attention path.
+    """
+
+    config_class = PEagleSpeculatorConfig
+    supports_gradient_checkpointing = True  # per layer, in _run_draft_layer
+
+    def __init__(self, config: PEagleSpeculatorConfig):
+        super().__init__(config=config)
+        for layer in self.layers:
+            for module in (layer, layer.self_attn):
+                module.__class__ = _PEAGLE_CLASS_FOR[type(module)]
+        self._init_peagle_parameters(config)
+        self.mask_token_id = config.mask_token_id

@@ -1,0 +1,312 @@
+"""Trainer module: speculators' loss, float64 dense reference, exact partitioning."""
+
+import pytest
+import torch
+from speculators.losses.eager import kl_div_loss
+from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
+from tiny import DRAFT_VOCAB, MASK_TOKEN, TARGET_VOCAB, tiny_config, tiny_draft
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from speculators_peagle_plugin import dense_peagle_mask, generate_cod_sample_indices
+from speculators_peagle_plugin.masks import lengths_from_document_ids
+from speculators_peagle_plugin.trainer import PEagleTrainerModule, _kl_div_loss
+
+K = 4
+
+
+@pytest.fixture(autouse=True)
+def float64_norms(monkeypatch):
+    """transformers' RMSNorm computes in float32 whatever the input; the float64
+    oracles here need it in the input's dtype (same formula)."""
+
+    def forward(self, x):
+        return self.weight * (
+            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        )
+
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm):
+        monkeypatch.setattr(cls, "forward", forward)
+
+
+def packed_batch(seed, batch=2, seq_len=61, n_docs=3, pad=7, dtype=torch.float64):
+    """Ragged packed rows with padding (document ids -1), random supervision."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.full((batch, seq_len), -1, dtype=torch.long)
+    for b in range(batch):
+        used = seq_len - pad - b * 3
+        cuts = sorted(torch.randperm(used - 2, generator=gen)[: n_docs - 1].add(1).tolist())
+        for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, used], strict=True)):
+            docs[b, s:e] = i
+    loss_mask = (torch.rand(batch, seq_len, generator=gen) < 0.8).long()
+    return dict(
+        input_ids=torch.randint(0, TARGET_VOCAB - 1, (batch, seq_len), generator=gen),
+        loss_mask=loss_mask,
+        document_ids=docs,
+        hidden_states=torch.randn(batch, seq_len, 192, generator=gen, dtype=dtype),
+        verifier_last_hidden_states=torch.randn(batch, seq_len, 64, generator=gen, dtype=dtype),
+    )
+
+
+def trainer(draft, ids, t2d, partitions=1, seed=0, **kw):
+    return PEagleTrainerModule(
+        draft, ids, t2d, K, MASK_TOKEN, 0.8, 0.3, partitions,
+        generator=torch.Generator().manual_seed(seed), **kw,
+    )  # fmt: skip
+
+
+def grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------- speculators' loss
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_flat_loss_equals_speculators_peagle(seed, num_layers):
+    ours, ids, t2d = tiny_draft(seed, num_layers=num_layers, num_depths=K)
+    theirs = SpeculatorsPEagle(tiny_config(num_layers=num_layers, num_depths=K))
+    theirs.load_state_dict(ours.state_dict())
+    batch = packed_batch(seed, batch=1, seq_len=57 + seed, n_docs=1, pad=0, dtype=torch.float32)
+    batch["loss_mask"][0, 0] = 0  # the case where speculators' COD sample is legal
+    batch["document_ids"].zero_()
+    module = PEagleTrainerModule(ours, ids, t2d, K, MASK_TOKEN, 0.8, 0.3)
+    torch.manual_seed(seed)
+    mine = module.forward_batch(batch)
+    torch.manual_seed(seed)
+    with torch.no_grad():  # flex attention has no backward on CPU
+        _, their_loss, their_metrics = theirs(
+            hidden_states=batch["hidden_states"],
+            input_ids=batch["input_ids"],
+            document_ids=batch["document_ids"],
+            loss_mask=batch["loss_mask"],
+            verifier_last_hidden_states=batch["verifier_last_hidden_states"],
+            loss_config={"kl_div": (kl_div_loss, 1.0)},
+            num_depths=K,
+            down_sample_ratio=0.8,
+            down_sample_ratio_min=0.3,
+        )
+    # speculators divides by (count + 1e-5); that is the only difference allowed.
+    count = float(mine.total_den)
+    torch.testing.assert_close(mine.loss * count / (count + 1e-5), their_loss, rtol=1e-5, atol=0)
+    for d in range(K):
+        assert float(their_metrics[f"position_{d}_acc_total"]) == float(mine.valid[d])
+        assert float(their_metrics[f"position_{d}_acc_sum"]) == float(mine.correct[d])
+
+
+def test_kl_matches_speculators_eager_kl():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 5, 33, generator=gen), torch.randn(2, 5, 33, generator=gen)
+    torch.testing.assert_close(_kl_div_loss(a, b), kl_div_loss(a, b))
+
+
+# ------------------------------------------------------------ dense float64 reference
+
+
+def dense_reference_loss(module, batch):
+    """Same COD sample, attention by plain float64 softmax over the dense mask."""
+    draft = module.draft
+    total, parts = 0, []
+    for b in range(batch["input_ids"].shape[0]):
+        doc = batch["document_ids"][b]
+        anchor, depth = generate_cod_sample_indices(
+            doc.shape[0], batch["loss_mask"][b], K, 0.8, 0.3,
+            document_ids=doc, generator=module.generator,
+        )  # fmt: skip
+        ref = anchor + depth
+        allowed = dense_peagle_mask(anchor, depth, lengths_from_document_ids(doc), doc.shape[0])
+        is0 = depth == 0
+        ids = torch.where(is0, batch["input_ids"][b][ref], MASK_TOKEN)
+        hid = torch.where(
+            is0[:, None],
+            batch["hidden_states"][b][ref],
+            draft.mask_hidden[0].expand(ref.shape[0], -1),
+        )
+        h = draft.fc(hid)[None]
+        emb = draft.embed_tokens(ids)[None]
+        cos, sin = draft.rotary_emb(emb, ref[None])
+        for i, layer in enumerate(draft.layers):
+            attn = layer.self_attn
+            if i == 0:
+                resid = h
+                x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], -1)
+            else:
+                resid, x = h, layer.input_layernorm(h)
+            q = attn.q_proj(x).view(1, -1, 4, 16).transpose(1, 2)
+            k = attn.k_proj(x).view(1, -1, 2, 16).transpose(1, 2)
+            v = attn.v_proj(x).view(1, -1, 2, 16).transpose(1, 2)
+            rot = lambda t: torch.cat([-t[..., 8:], t[..., :8]], -1)  # noqa: E731
+            q, k = (
+                q * cos[:, None] + rot(q) * sin[:, None],
+                k * cos[:, None] + rot(k) * sin[:, None],
+            )
+            k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+            scores = (q @ k.transpose(-1, -2)) / 4.0
+            w = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num()
+            out = attn.o_proj((w @ v).transpose(1, 2).reshape(1, -1, 64))
+            h = resid + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        sup = (batch["loss_mask"][b][ref] != 0) & (doc[ref] >= 0)
+        logits = draft.lm_head(draft.norm(h[0][sup]))
+        target = draft.verifier_lm_head(
+            draft.verifier_norm(batch["verifier_last_hidden_states"][b][ref[sup]])
+        )
+        p = torch.softmax(target, -1)
+        parts.append((p * (torch.log_softmax(target, -1) - torch.log_softmax(logits, -1))).sum())
+        total += int(sup.sum())
+    return torch.stack(parts).sum() / total
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_chunked_cpu_path_matches_dense_float64(seed, num_layers):
+    draft, ids, t2d = tiny_draft(seed, dtype=torch.float64, num_layers=num_layers)
+    batch = packed_batch(seed, seq_len=523)  # > one 512-query chunk
+    got = trainer(draft, ids, t2d, seed=seed).forward_batch(batch).loss
+    got.backward()
+    mine = grads(draft)
+    draft.zero_grad()
+    want = dense_reference_loss(trainer(draft, ids, t2d, seed=seed), batch)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+    for name, g in grads(draft).items():
+        torch.testing.assert_close(mine[name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+
+# ------------------------------------------------------------- exact partitioning
+
+
+def run_partitioned(draft, ids, t2d, batch, partitions, seed):
+    module = trainer(draft, ids, t2d, partitions, seed)
+    plan = module.build_peagle_plan(batch["loss_mask"], document_ids=batch["document_ids"])
+    total = None
+    for i in range(len(plan)):
+        m = module.forward_batch(batch, peagle_segment=(plan, i))
+        m.loss.backward()
+        total = m if total is None else total + m
+    return plan, total
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("partitions", [2, 3, 4, 7, 100])
+def test_segments_sum_to_the_flat_loss_and_gradient(num_layers, checkpointing, partitions):
+    seed = partitions + 10 * num_layers
+    draft, ids, t2d = tiny_draft(seed, dtype=torch.float64, num_layers=num_layers)
+    if checkpointing:
+        draft.gradient_checkpointing_enable({"use_reentrant": False})
+    draft.train()
+    batch = packed_batch(seed)
+    flat = trainer(draft, ids, t2d, 1, seed).forward_batch(batch)
+    flat.loss.backward()
+    want = grads(draft)
+    draft.zero_grad()
+    plan, got = run_partitioned(draft, ids, t2d, batch, partitions, seed)
+    torch.testing.assert_close(got.loss, flat.loss, rtol=1e-9, atol=0)
+    assert torch.equal(got.valid, flat.valid) and torch.equal(got.correct, flat.correct)
+    have = grads(draft)
+    assert have.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=1e-9, atol=1e-13, msg=name)
+    # every supervised element is charged exactly once, empty segments skipped
+    assert all(bool(u[4].any()) for u in plan.units)
+    charged = sorted(
+        (u[0], a, d)
+        for u in plan.units
+        for a, d in zip(u[1][u[4]].tolist(), u[2][u[4]].tolist(), strict=True)
+    )
+    assert len(charged) == len(set(charged)) == int(plan.total_den)
+    assert len(plan) <= 2 * partitions
+
+
+def test_gradient_checkpointing_gives_identical_loss_and_gradients():
+    runs = []
+    for on in (False, True):
+        draft, ids, t2d = tiny_draft(3, dtype=torch.float64, num_layers=2)
+        if on:
+            draft.gradient_checkpointing_enable({"use_reentrant": False})
+        draft.train()
+        m = trainer(draft, ids, t2d, seed=3).forward_batch(packed_batch(3))
+        m.loss.backward()
+        runs.append((m.loss.detach(), grads(draft)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for name, g in runs[0][1].items():
+        assert torch.equal(g, runs[1][1][name]), name
+
+
+def test_mask_hidden_gets_gradient_and_target_logits_path_agrees():
+    draft, ids, t2d = tiny_draft(4, dtype=torch.float64)
+    batch = packed_batch(4)
+    m = trainer(draft, ids, t2d, seed=4).forward_batch(batch)
+    m.loss.backward()
+    assert draft.mask_hidden.grad is not None and draft.mask_hidden.grad.abs().sum() > 0
+    # Full-vocabulary target logits give the same loss as the verifier-hidden path.
+    with torch.no_grad():
+        head = torch.zeros(TARGET_VOCAB, 64, dtype=torch.float64)
+        head[ids] = draft.verifier_lm_head.weight
+        full = draft.verifier_norm(batch["verifier_last_hidden_states"]) @ head.T
+    module = trainer(draft, ids, t2d, seed=4)
+    again = module(
+        batch["input_ids"], None, batch["loss_mask"], batch["hidden_states"], full,
+        document_ids=batch["document_ids"],
+    )  # fmt: skip
+    torch.testing.assert_close(again.loss, m.loss, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_llama_qwen3_and_sliding_window_match_dense_mask(model_type, window):
+    draft, ids, t2d = tiny_draft(
+        5, dtype=torch.float64, model_type=model_type, sliding_window=window
+    )
+    draft.attention_impl = "chunked"
+    batch = packed_batch(5, batch=1)
+    doc = batch["document_ids"][0]
+    anchor, depth = generate_cod_sample_indices(61, batch["loss_mask"][0], K, document_ids=doc)
+    masks = draft.build_peagle_block_mask(anchor, depth, lengths_from_document_ids(doc), 61)
+    assert masks[0].sliding_window == window
+    gen = torch.Generator().manual_seed(0)
+    n = anchor.shape[0]
+    q = torch.randn(1, 4, n, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    from speculators_peagle_plugin.attention import peagle_attention
+
+    got = peagle_attention(q, k, v, masks[0], 0.25)
+    allowed = dense_peagle_mask(
+        anchor, depth, lengths_from_document_ids(doc), 61, sliding_window=window
+    )
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num()
+    torch.testing.assert_close(got, want @ v.repeat_interleave(2, 1))
+    # and the whole forward runs for this layer type
+    trainer(draft, ids, t2d).forward_batch(packed_batch(5)).loss.backward()
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_a_value_error():
+    draft, ids, t2d = tiny_draft(0)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        PEagleTrainerModule(draft, ids, t2d, K, TARGET_VOCAB)
+    with pytest.raises(ValueError, match="num_depths"):
+        PEagleTrainerModule(draft, ids, t2d, 0, MASK_TOKEN)
+    with pytest.raises(ValueError, match="sequence_partitions"):
+        PEagleTrainerModule(draft, ids, t2d, K, MASK_TOKEN, sequence_partitions=0)
+    with pytest.raises(ValueError, match="selected_token_ids"):
+        PEagleTrainerModule(draft, ids[:-1], t2d, K, MASK_TOKEN)
+    del draft.mask_hidden
+    with pytest.raises(ValueError, match="mask_hidden"):
+        PEagleTrainerModule(draft, ids, t2d, K, MASK_TOKEN)
+    draft, ids, t2d = tiny_draft(0)
+    module = PEagleTrainerModule(draft, ids, t2d, K, MASK_TOKEN)
+    batch = packed_batch(0, dtype=torch.float32)
+    batch["hidden_states"] = batch["hidden_states"][:, :-1]
+    with pytest.raises(ValueError, match="aux_hidden_states must start with"):
+        module.forward_batch(batch)
+    batch = packed_batch(0, dtype=torch.float32)
+    batch["hidden_states"] = batch["hidden_states"][..., :100]
+    with pytest.raises(ValueError, match="192 features"):
+        module.forward_batch(batch)
+    assert DRAFT_VOCAB == ids.shape[0]

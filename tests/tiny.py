@@ -1,0 +1,67 @@
+"""Tiny random P-EAGLE drafts built from configs (no download)."""
+
+import torch
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.peagle.config import PEagleSpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from transformers import LlamaConfig, Qwen3Config
+
+from speculators_peagle_plugin.draft import PEagleDraftModel
+
+TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN = 96, 40, 95
+
+
+def tiny_config(model_type="llama", num_layers=1, sliding_window=None, num_depths=4):
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    extra = {"use_sliding_window": bool(sliding_window)} if model_type == "qwen3" else {}
+    layer_cfg = cls(
+        **extra,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=num_layers,
+        vocab_size=TARGET_VOCAB,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention" if sliding_window else "full_attention"] * num_layers,
+    )
+    return PEagleSpeculatorConfig(
+        transformer_layer_config=layer_cfg,
+        draft_vocab_size=DRAFT_VOCAB,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        mask_token_id=MASK_TOKEN,
+        speculators_config=SpeculatorsConfig(
+            algorithm="peagle",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_depths)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
+
+
+def vocab_map(seed=0):
+    """t2d / d2t for a random draft vocabulary (d2t holds offsets, speculators' format)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(TARGET_VOCAB - 1, generator=gen)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(TARGET_VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    return ids, t2d, ids - torch.arange(DRAFT_VOCAB)
+
+
+def tiny_draft(seed=0, dtype=torch.float32, **config_kwargs):
+    torch.manual_seed(seed)
+    draft = PEagleDraftModel(tiny_config(**config_kwargs))
+    ids, t2d, d2t = vocab_map(seed)
+    draft.load_vocab_mappings(t2d, d2t)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(torch.randn(TARGET_VOCAB, 64, generator=gen))
+        head = torch.randn(TARGET_VOCAB, 64, generator=gen) * 0.3
+        draft.lm_head.weight.copy_(head[ids])
+        draft.verifier_lm_head.weight.copy_(head[ids])
+        draft.verifier_norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=gen))
+    draft.lm_head.weight.requires_grad_(True)
+    return draft.to(dtype), ids, t2d
