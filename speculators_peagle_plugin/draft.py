@@ -213,9 +213,13 @@ class _PeagleDraftMixin:
             )
         return self.norm(hidden) if self.config.norm_output else hidden
 
+    def lm_head_inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What enters ``lm_head`` for :meth:`forward_peagle` rows (``norm`` unless already applied)."""
+        return hidden if self.config.norm_output else self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of :meth:`forward_peagle` rows: ``[..., H] -> [..., V_d]``."""
-        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+        return self.lm_head(self.lm_head_inputs(hidden))
 
 
 class PeagleLlamaAttention(_PeagleAttentionMixin, LlamaAttention):

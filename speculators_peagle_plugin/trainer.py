@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CODConfig, check_int_at_least
+from .loss import fused_linear_kl
 from .masks import lengths_from_document_ids
 from .sampling import assign_cod_segments, generate_cod_sample_indices
 
@@ -305,15 +306,19 @@ class PEagleTrainerModule(torch.nn.Module):
             sampled_ids[None], projected[None], orig_positions[None], masks
         )[0]
         rows = torch.nonzero(loss_positions).squeeze(1)
-        logits = draft.compute_logits(hidden[rows])
-        targets = self._targets(orig_positions[rows], target_logits_row, verifier_row)
-        kl = _kl_div_loss(logits, targets)
+        # Target logits once per distinct position (elements of different depths share
+        # positions), draft columns only; logits and KL for charged rows only.
+        positions, target_rows = torch.unique(orig_positions[rows], return_inverse=True)
+        with torch.no_grad():
+            targets = self._targets(positions, target_logits_row, verifier_row)
+        kl_sum, hits = fused_linear_kl(
+            draft.lm_head_inputs(hidden[rows]), draft.lm_head.weight, targets, target_rows
+        )
         k = self.cod.num_depths
         with torch.no_grad():
-            hit = (logits.argmax(-1) == targets.argmax(-1)).to(kl.dtype)
-            correct = torch.bincount(depth[rows], weights=hit, minlength=k)[:k]
-            valid = torch.bincount(depth[rows], minlength=k)[:k].to(kl.dtype)
-        return kl.sum(), kl.new_tensor(float(rows.numel())), correct, valid
+            correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
+            valid = torch.bincount(depth[rows], minlength=k)[:k].to(kl_sum.dtype)
+        return kl_sum, kl_sum.new_tensor(float(rows.numel())), correct, valid
 
     # ---- flat forward -----------------------------------------------------------
 

@@ -4,14 +4,27 @@ import torch
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.peagle.config import PEagleSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from speculators_peagle_plugin.draft import PEagleDraftModel
 
 TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN = 96, 40, 95
 
 
-def tiny_config(model_type="llama", num_layers=1, sliding_window=None, num_depths=4):
+def tiny_target(path, seed=0):
+    """A 4-layer random llama target with the draft's shapes, saved to ``path``."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=4, vocab_size=TARGET_VOCAB, max_position_embeddings=4096,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_config(
+    model_type="llama", num_layers=1, sliding_window=None, num_depths=4, verifier_path=None
+):
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
     extra = {"use_sliding_window": bool(sliding_window)} if model_type == "qwen3" else {}
     layer_cfg = cls(
@@ -37,7 +50,7 @@ def tiny_config(model_type="llama", num_layers=1, sliding_window=None, num_depth
             algorithm="peagle",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_depths)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+            verifier=VerifierConfig(name_or_path=verifier_path, architectures=["LlamaForCausalLM"]),
         ),
     )
 
