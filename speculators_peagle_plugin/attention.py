@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 AttentionImpl = Literal["auto", "flex", "chunked"]
 ATTENTION_IMPLS = ("auto", "flex", "chunked")
-CHUNK_QUERIES = 512
+CHUNK_ANCHORS = 512
 
 _peagle_flex_attention_compiled = torch.compile(
     flex_attention, mode="max-autotune-no-cudagraphs", dynamic=True
@@ -133,10 +133,16 @@ def _plan_chunks(mask: PeagleMask) -> list[tuple[torch.Tensor, torch.Tensor, tor
     new_doc[1:] = doc[1:] != doc[:-1]
     doc_start = torch.cummax(torch.where(new_doc, pos, 0), 0).values
     plans = []
+    span_edges = torch.arange(0, doc.shape[0] + CHUNK_ANCHORS, CHUNK_ANCHORS, device=doc.device)
     for d in range(n_depths):
         lo_blk, hi_blk = starts[d], starts[d + 1]
-        for c0 in range(lo_blk, hi_blk, CHUNK_QUERIES):
-            q_idx = torch.arange(c0, min(c0 + CHUNK_QUERIES, hi_blk), device=anchor.device)
+        # Chunks cover a fixed anchor span, not a fixed query count: a sparse deep depth
+        # then reads about as many context keys per query as depth 0 does.
+        cuts = (lo_blk + torch.searchsorted(anchor[lo_blk:hi_blk], span_edges)).tolist()
+        for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True):
+            if c0 == c1:
+                continue
+            q_idx = torch.arange(c0, c1, device=anchor.device)
             q_idx = q_idx[doc[anchor[q_idx]] >= 0]  # padding queries see nothing
             if q_idx.numel() == 0:
                 continue
@@ -148,7 +154,9 @@ def _plan_chunks(mask: PeagleMask) -> list[tuple[torch.Tensor, torch.Tensor, tor
             pieces = []
             for dk in range(d + 1):
                 blk = anchor[starts[dk] : starts[dk + 1]]
-                lo = ctx_lo if dk == 0 else a_lo
+                # depth 0: the window's range, plus the chunk's own rollout anchors,
+                # which stay visible through the rollout branch even when depth >= W
+                lo = min(ctx_lo, a_lo) if dk == 0 else a_lo
                 i0, i1 = torch.searchsorted(blk, torch.tensor([lo, a_hi + 1], device=blk.device))
                 pieces.append(
                     torch.arange(starts[dk] + int(i0), starts[dk] + int(i1), device=blk.device)

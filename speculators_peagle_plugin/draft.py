@@ -214,7 +214,7 @@ class _PeagleDraftMixin:
         return self.norm(hidden) if self.config.norm_output else hidden
 
     def lm_head_inputs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What enters ``lm_head`` for :meth:`forward_peagle` rows (``norm`` unless already applied)."""
+        """What enters ``lm_head`` for :meth:`forward_peagle` rows (``norm`` unless applied)."""
         return hidden if self.config.norm_output else self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

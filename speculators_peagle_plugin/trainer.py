@@ -411,12 +411,20 @@ class PEagleTrainerModule(torch.nn.Module):
         """Sample COD once per row and split it into ``sequence_partitions`` segments.
 
         Each unit holds the segment's owned elements plus, as context, every depth-0
-        element of earlier-or-equal segments from the first owned element's document
-        on (earlier documents are invisible at every layer). ``loss_positions`` marks
-        the owned supervised elements; units with none are skipped.
+        element of earlier-or-equal segments that can reach them: from the first owned
+        element's document start (earlier documents are invisible at every layer), and
+        when every layer is windowed, within ``num_layers * (W - 1)`` anchors of it.
+        ``loss_positions`` marks the owned supervised elements; units with none are skipped.
         """
         docs = self._document_ids(loss_mask, attention_mask, document_ids)
         batch, seq_len = loss_mask.shape
+        # With every layer windowed, an owned element's receptive field over depth-0 rows
+        # reaches back at most num_layers * (W - 1) anchors from its own anchor.
+        draft = self.draft
+        windowed = draft.sliding_window is not None and len(draft.sliding_window_indices) == len(
+            draft.layers
+        )
+        reach = len(draft.layers) * (draft.sliding_window - 1) if windowed else seq_len
         pos = torch.arange(seq_len, device=loss_mask.device)
         units, total = [], 0
         for b in range(batch):
@@ -435,7 +443,8 @@ class PEagleTrainerModule(torch.nn.Module):
                 charged = owned & supervised
                 if not bool(charged.any()):
                     continue
-                first = doc_start[anchor[owned].min()]
+                first_owned = anchor[owned].min()
+                first = torch.maximum(doc_start[first_owned], first_owned - reach)
                 keep = owned | (is_ctx & (seg <= s) & (anchor >= first))
                 units.append((b, anchor[keep], depth[keep], ref[keep], charged[keep]))
         return _PeaglePlan(units, torch.tensor(float(total)), docs)

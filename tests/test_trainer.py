@@ -220,6 +220,26 @@ def test_segments_sum_to_the_flat_loss_and_gradient(num_layers, checkpointing, p
     assert len(plan) <= 2 * partitions
 
 
+@pytest.mark.parametrize("num_layers,window,partitions", [(1, 5, 3), (2, 7, 4), (2, 3, 9)])
+def test_windowed_segments_trim_context_and_stay_exact(num_layers, window, partitions):
+    seed = 40 + partitions
+    draft, ids, t2d = tiny_draft(
+        seed, dtype=torch.float64, num_layers=num_layers, sliding_window=window
+    )
+    batch = packed_batch(seed, seq_len=97, n_docs=2)
+    flat = trainer(draft, ids, t2d, 1, seed).forward_batch(batch)
+    flat.loss.backward()
+    want = grads(draft)
+    draft.zero_grad()
+    plan, got = run_partitioned(draft, ids, t2d, batch, partitions, seed)
+    torch.testing.assert_close(got.loss, flat.loss, rtol=1e-9, atol=0)
+    for name, g in grads(draft).items():
+        torch.testing.assert_close(g, want[name], rtol=1e-9, atol=1e-13, msg=name)
+    # the trim is real: some segment starts its context after position 0 of its document
+    reach = num_layers * (window - 1)
+    assert any(int(u[1][u[2] == 0].min()) > 0 for u in plan.units if partitions * reach < 97)
+
+
 def test_gradient_checkpointing_gives_identical_loss_and_gradients():
     runs = []
     for on in (False, True):
@@ -255,7 +275,7 @@ def test_mask_hidden_gets_gradient_and_target_logits_path_agrees():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 2])  # 2 < K: deep queries see no context
 def test_llama_qwen3_and_sliding_window_match_dense_mask(model_type, window):
     draft, ids, t2d = tiny_draft(
         5, dtype=torch.float64, model_type=model_type, sliding_window=window
