@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .masks import create_peagle_mask_mod, lengths_from_document_ids
+from .masks import create_peagle_mask_mod, document_starts, lengths_from_document_ids
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +127,7 @@ def _plan_chunks(mask: PeagleMask) -> list[tuple[torch.Tensor, torch.Tensor, tor
     anchor, depth, doc = mask.anchor_pos, mask.depth, mask.document_ids
     n_depths = int(depth.max()) + 1 if depth.numel() else 0
     starts = torch.searchsorted(depth, torch.arange(n_depths + 1, device=depth.device)).tolist()
-    # lo[a]: first depth-0 anchor a query anchored at a may see (its document's start).
-    pos = torch.arange(doc.shape[0], device=doc.device)
-    new_doc = torch.ones_like(doc, dtype=torch.bool)
-    new_doc[1:] = doc[1:] != doc[:-1]
-    doc_start = torch.cummax(torch.where(new_doc, pos, 0), 0).values
+    doc_start = document_starts(doc)  # no query sees before its document's start
     plans = []
     span_edges = torch.arange(0, doc.shape[0] + CHUNK_ANCHORS, CHUNK_ANCHORS, device=doc.device)
     for d in range(n_depths):

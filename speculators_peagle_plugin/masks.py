@@ -14,6 +14,7 @@ __all__ = [
     "create_peagle_mask_mod",
     "dense_peagle_mask",
     "document_ids_from_lengths",
+    "document_starts",
     "lengths_from_document_ids",
 ]
 
@@ -54,6 +55,17 @@ def lengths_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """
     doc = document_ids.reshape(-1)
     return torch.bincount(doc[doc >= 0])
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """First position of each position's document: ``[L] -> [L]``.
+
+    Example: document ids [0, 0, 1, 1, 1, -1] -> [0, 0, 2, 2, 2, 5].
+    """
+    pos = torch.arange(document_ids.shape[0], device=document_ids.device)
+    new_doc = torch.ones_like(document_ids, dtype=torch.bool)
+    new_doc[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.cummax(torch.where(new_doc, pos, 0), 0).values
 
 
 def create_peagle_mask_mod(

@@ -22,10 +22,14 @@ import torch
 
 from .config import CODConfig, check_int_at_least
 from .loss import fused_linear_kl
-from .masks import lengths_from_document_ids
+from .masks import document_starts, lengths_from_document_ids
 from .sampling import assign_cod_segments, generate_cod_sample_indices
 
 __all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "_PeaglePlan", "_kl_div_loss"]
+
+
+def _row(tensor: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[b]
 
 
 def _kl_div_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -368,7 +372,7 @@ class PEagleTrainerModule(torch.nn.Module):
                 self._peagle_position_loss(
                     input_ids[b],
                     aux_hidden_states[b],
-                    None if target_logits is None else target_logits[b],
+                    _row(target_logits, b),
                     anchor,
                     depth,
                     ref,
@@ -376,9 +380,7 @@ class PEagleTrainerModule(torch.nn.Module):
                     None,
                     seq_len,
                     document_ids_row=docs[b],
-                    verifier_row=None
-                    if verifier_last_hidden_states is None
-                    else verifier_last_hidden_states[b],
+                    verifier_row=_row(verifier_last_hidden_states, b),
                 )
             )
         num, den, correct, valid = (torch.stack(x).sum(0) for x in zip(*parts, strict=True))
@@ -425,13 +427,10 @@ class PEagleTrainerModule(torch.nn.Module):
             draft.layers
         )
         reach = len(draft.layers) * (draft.sliding_window - 1) if windowed else seq_len
-        pos = torch.arange(seq_len, device=loss_mask.device)
         units, total = [], 0
         for b in range(batch):
             doc = docs[b]
-            new_doc = torch.ones_like(doc, dtype=torch.bool)
-            new_doc[1:] = doc[1:] != doc[:-1]
-            doc_start = torch.cummax(torch.where(new_doc, pos, 0), 0).values
+            doc_start = document_starts(doc)
             anchor, depth = self._sample_row(loss_mask[b], doc)
             ref = anchor + depth
             supervised = self._supervised(loss_mask[b], doc, ref)
@@ -469,7 +468,7 @@ class PEagleTrainerModule(torch.nn.Module):
         num, den, correct, valid = self._peagle_position_loss(
             input_ids[b],
             aux_hidden_states[b],
-            None if target_logits is None else target_logits[b],
+            _row(target_logits, b),
             anchor,
             depth,
             ref,
@@ -477,9 +476,7 @@ class PEagleTrainerModule(torch.nn.Module):
             None,
             input_ids.shape[1],
             document_ids_row=plan.document_ids[b],
-            verifier_row=None
-            if verifier_last_hidden_states is None
-            else verifier_last_hidden_states[b],
+            verifier_row=_row(verifier_last_hidden_states, b),
         )
         total = plan.total_den.to(num)
         return PEagleStepMetrics(num / total.clamp(min=1), num.detach(), correct, valid, total)

@@ -11,6 +11,7 @@ from speculators_peagle_plugin import (
     generate_cod_sample_indices,
     lengths_from_document_ids,
 )
+from speculators_peagle_plugin.masks import document_starts
 
 EXAMPLE_ANCHOR = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 4, 0, 3, 0])
 EXAMPLE_DEPTH = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3])
@@ -104,6 +105,7 @@ def test_lengths_document_ids_round_trip():
     doc = document_ids_from_lengths(torch.tensor([2, 3]), 7)
     assert doc.tolist() == [0, 0, 1, 1, 1, -1, -1]
     assert lengths_from_document_ids(doc[None]).tolist() == [2, 3]
+    assert document_starts(doc).tolist() == [0, 0, 2, 2, 2, 5, 5]
 
 
 @pytest.mark.parametrize(
