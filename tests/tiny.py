@@ -78,3 +78,28 @@ def tiny_draft(seed=0, dtype=torch.float32, **config_kwargs):
         draft.verifier_norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=gen))
     draft.lm_head.weight.requires_grad_(True)
     return draft.to(dtype), ids, t2d
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(num_words=80, specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
+    """A word-level tokenizer with a ChatML template: ids 0.. are ``specials``, then words
+    ``w0 w1 ...`` plus the words the template renders (``system user assistant``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["system", "user", "assistant"] + [f"w{i}" for i in range(num_words)]
+    vocab = {tok: i for i, tok in enumerate([*specials, *words, "[UNK]"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="[UNK]",
+    )  # fmt: skip
+    tok.add_special_tokens({"additional_special_tokens": list(specials[3:])})
+    tok.chat_template = CHATML
+    return tok
