@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points, version
+import dataclasses
+from importlib.metadata import version
+from typing import get_args, get_type_hints
 
 import click
 
-ENTRY_POINT_GROUP = "speculators.algorithms"
+from .config import TrainConfig
+from .plugin import discover_algorithms
 
 
 @click.group()
@@ -18,6 +21,140 @@ def main() -> None:
 @main.command()
 def algorithms() -> None:
     """List the drafting algorithms installed under the speculators.algorithms entry point."""
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for name, ep in sorted(discover_algorithms().items()):
         algo = ep.load()
-        click.echo(f"{ep.name}\t{getattr(algo, 'summary', '')}\t({ep.value})")
+        click.echo(f"{name}\t{getattr(algo, 'summary', '')}\t({ep.value})")
+
+
+def _gen_help(text: str, name: str) -> str:
+    """Help text showing DataGenConfig's default, so the default lives in one place."""
+    from .data import DataGenConfig
+
+    default = next(f.default for f in dataclasses.fields(DataGenConfig) if f.name == name)
+    return f"{text} [default: {default}]"
+
+
+@main.command("generate-data")
+@click.option("--target", required=True, help="Local transformers target model directory.")
+@click.option("--prompts", required=True, help="Prompts .jsonl (messages/conversations/prompt) "
+              "or a dataset saved with save_to_disk.")  # fmt: skip
+@click.option("--output", required=True, help="Output directory (resumed if it exists).")
+@click.option("--max-new-tokens", type=int, help=_gen_help("Tokens per reply.", "max_new_tokens"))
+@click.option("--temperature", type=float, help=_gen_help("0 = greedy.", "temperature"))
+@click.option("--top-p", type=float, help=_gen_help("Nucleus mass when sampling.", "top_p"))
+@click.option("--batch-size", type=int, help=_gen_help("Prompts generated together.", "batch_size"))
+@click.option("--target-layer-ids", metavar="IDS",
+              help="Aux layer ids, e.g. 2,15,27 [default: 2,N//2,N-3].")  # fmt: skip
+@click.option("--draft-vocab-size", type=int,
+              help=_gen_help("Size of the d2t/t2d written.", "draft_vocab_size"))  # fmt: skip
+@click.option("--max-samples", type=int, help="Use only the first N prompts.")
+@click.option("--seed", type=int, help=_gen_help("Sampling seed.", "seed"))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help=_gen_help("Target dtype, also the hidden states' dtype.", "dtype"))  # fmt: skip
+@click.option("--device", help=_gen_help("Torch device of the target.", "device"))
+def generate_data(target_layer_ids: str | None, **options) -> None:
+    """Regenerate replies with the target and write speculators-format training data."""
+    import logging
+
+    from .data import DataGenConfig
+    from .data import generate_data as run_generation
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    values = {k: v for k, v in options.items() if v is not None}
+    if target_layer_ids is not None:
+        try:
+            values["target_layer_ids"] = tuple(
+                int(t) for t in target_layer_ids.replace(",", " ").split()
+            )
+        except ValueError:
+            raise click.BadParameter(
+                f"{target_layer_ids!r} is not a comma-separated list of integers.",
+                param_hint="--target-layer-ids",
+            ) from None
+    try:
+        data = run_generation(DataGenConfig(**values))
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(
+        f"{data.path}: {data.num_samples} samples, {sum(data.lengths)} tokens "
+        f"({data.num_loss_tokens} supervised), hidden states [seq, {data.num_aux_layers + 1}, "
+        f"{data.hidden_size}]."
+    )
+
+
+def _parse_flag_value(name: str, text: str, hint):
+    """``--flag TEXT`` to the field's type; ``none`` clears an optional field."""
+    args = get_args(hint)
+    if type(None) in args and text.lower() == "none":
+        return _CLEARED
+    base = next((a for a in args if a is not type(None)), hint)
+    try:
+        if base in (int, float, str):
+            return base(text)
+        return tuple(int(t) for t in text.replace(",", " ").split())  # tuple[int, ...]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a valid value for --{name}.") from None
+
+
+_CLEARED = object()  # "--flag none": set the field to None (None means "not given")
+
+
+def train_config_options(command):
+    """One ``--flag`` per :class:`TrainConfig` field; defaults stay in the dataclass."""
+    hints = get_type_hints(TrainConfig)
+    for f in reversed(dataclasses.fields(TrainConfig)):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} [default: {f.default!r}]"
+        if hints[f.name] is bool and f.name.startswith("no_"):
+            option = click.option(flag, f.name, is_flag=True, default=None, help=help_text)
+        elif hints[f.name] is bool:
+            off = "--no-" + f.name.replace("_", "-")
+            option = click.option(f"{flag}/{off}", f.name, default=None, help=help_text)
+        elif "choices" in f.metadata:
+            choice = click.Choice(f.metadata["choices"])
+            option = click.option(flag, f.name, type=choice, default=None, help=help_text)
+        else:
+            base = next((a for a in get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+            metavar = {int: "INT", float: "FLOAT", str: "TEXT"}.get(base, "IDS")
+            option = click.option(flag, f.name, default=None, metavar=metavar, help=help_text)
+        command = option(command)
+    return command
+
+
+def build_train_config(config_file: str | None, flags: dict) -> TrainConfig:
+    """Defaults < ``--config`` YAML < flags; ``ValueError`` names a bad key or value."""
+    hints = get_type_hints(TrainConfig)
+    values = {}
+    for name, text in flags.items():
+        if text is None or isinstance(text, bool) or hints[name] in (str,):
+            values[name] = text
+        else:
+            values[name] = _parse_flag_value(name.replace("_", "-"), text, hints[name])
+    cleared = [k for k, v in values.items() if v is _CLEARED]
+    config = TrainConfig.from_sources(
+        config_file, **{k: v for k, v in values.items() if v is not _CLEARED}
+    )
+    return dataclasses.replace(config, **dict.fromkeys(cleared)) if cleared else config
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="YAML file of option: value (flags override it).")  # fmt: skip
+@train_config_options
+def train(config_file: str | None, **flags) -> None:
+    """Train a draft with the selected algorithm (--algorithm, default peagle)."""
+    import logging
+
+    from .loop import TrainingInterrupted
+    from .loop import train as run_training
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        config = build_train_config(config_file, flags)
+        final = run_training(config)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except TrainingInterrupted as exc:
+        click.echo(f"{exc}; run the same command again to resume.", err=True)
+        raise SystemExit(128 + exc.signum) from None
+    click.echo(f"final checkpoint: {final}")

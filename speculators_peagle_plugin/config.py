@@ -6,7 +6,8 @@ their defaults from :class:`CODConfig`; nothing else repeats them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import get_args, get_origin, get_type_hints
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -52,3 +53,146 @@ class CODConfig:
         """Elements drawn at ``depth >= 1``: ``int((n_valid - d) * max(r**d, r_min))``."""
         ratio = max(self.down_sample_ratio**depth, self.down_sample_ratio_min)
         return int(max(0, n_valid - depth) * ratio)
+
+
+def _coerce(name: str, value, hint):
+    """Check ``value`` against a TrainConfig annotation (YAML gives lists for tuples)."""
+    args = get_args(hint)
+    if value is None and type(None) in args:
+        return None
+    if type(None) in args:
+        (hint,) = [a for a in args if a is not type(None)]
+    if get_origin(hint) is tuple:
+        if isinstance(value, list | tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            return tuple(value)
+        _fail(name, value, "a list of integers")
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint in (str, bool) and isinstance(value, hint):
+        return value
+    _fail(name, value, f"of type {hint.__name__}")
+
+
+def _opt(default, help: str, **meta):  # noqa: A002 - click's word for it
+    """A TrainConfig field: its one default and its ``--flag`` help (``choices``/``flag``)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``speculators-peagle train`` reads, with each default in one place.
+
+    Names and meanings follow ``speculators train`` for the shared concepts (the flag is
+    the field name with dashes). Precedence: these defaults < ``--config FILE.yaml`` <
+    command-line flags. The algorithm's own knobs are validated by :class:`CODConfig`.
+    """
+
+    verifier_name_or_path: str = _opt("", "Local directory of the target (verifier) model.")
+    data_path: str = _opt("", "Training data in speculators' on-disk format.")
+    save_path: str = _opt("./checkpoints", "Directory for checkpoints and the metrics log.")
+    algorithm: str = _opt("peagle", "Drafting algorithm (entry point speculators.algorithms).")
+    num_layers: int = _opt(1, "Number of draft decoder layers.")
+    draft_arch: str = _opt("llama", "Draft decoder layer type.", choices=("llama", "qwen3"))
+    draft_vocab_size: int = _opt(8192, "Draft vocabulary size (d2t/t2d from token_freq.pt).")
+    mask_token_id: int | None = _opt(
+        None, "Token id for the K-1 mask slots; default: one the tokenizer never produces."
+    )
+    target_layer_ids: tuple[int, ...] | None = _opt(
+        None, "Aux hidden-state layer ids of the target; default: those the data was made with."
+    )
+    sliding_window: int | None = _opt(
+        2048, "Sliding window of the draft layers (speculators' default); none = full attention."
+    )
+    full_attention_indices: tuple[int, ...] = _opt((), "Draft layers that use full attention.")
+    norm_before_residual: bool = _opt(False, "Normalise before the residual (vLLM's default).")
+    embed_requires_grad: bool = _opt(False, "Train the token embedding too.")
+    num_depths: int = _opt(CODConfig.num_depths, "Parallel depths K (speculative tokens).")
+    down_sample_ratio: float = _opt(CODConfig.down_sample_ratio, "COD decay ratio r.")
+    down_sample_ratio_min: float = _opt(CODConfig.down_sample_ratio_min, "COD floor r_min.")
+    max_anchors: int | None = _opt(CODConfig.max_anchors, "Cap on COD chain starts per row.")
+    sequence_partitions: int = _opt(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
+    total_seq_len: int = _opt(8192, "Tokens per packed row.")
+    lr: float = _opt(1e-3, "AdamW learning rate.")
+    weight_decay: float = _opt(0.01, "AdamW weight decay.")
+    scheduler_type: str = _opt(
+        "linear", "LR schedule after warmup.", choices=("linear", "cosine", "none")
+    )
+    scheduler_warmup_steps: int | None = _opt(None, "Warmup steps; default 1% of the total.")
+    max_grad_norm: float | None = _opt(1.0, "Gradient clipping norm; none disables it.")
+    epochs: int = _opt(20, "Passes over the data.")
+    max_steps: int | None = _opt(None, "Stop after this many optimizer steps.")
+    checkpoint_freq: float = _opt(1.0, "Checkpoint every N epochs (< 1: several times per epoch).")
+    keep_checkpoints: int = _opt(2, "How many of the newest checkpoints to keep.")
+    log_freq: int = _opt(1, "Write the metrics log every N steps.")
+    seed: int = _opt(42, "Seed for initialisation, data order and COD sampling.")
+    gradient_checkpointing: bool = _opt(False, "Recompute each draft layer in backward.")
+    dtype: str = _opt("float32", "Training precision.", choices=("float32", "bfloat16", "float16"))
+    device: str = _opt("cpu", "cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
+    fsdp: bool = _opt(False, "Shard the draft with FSDP2 under torchrun (large drafts).")
+    no_resume_from_checkpoint: bool = _opt(
+        False, "Start fresh even if save_path holds a checkpoint."
+    )
+    resume: str | None = _opt(None, "Resume from this checkpoint directory.")
+
+    def __post_init__(self) -> None:
+        for name in ("verifier_name_or_path", "data_path"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} is required (--{name.replace('_', '-')}).")
+        for f in fields(self):
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                _fail(f.name, getattr(self, f.name), f"one of {', '.join(allowed)}")
+        for name in (
+            "num_layers",
+            "draft_vocab_size",
+            "total_seq_len",
+            "epochs",
+            "log_freq",
+            "keep_checkpoints",
+        ):
+            check_int_at_least(name, getattr(self, name), 1)
+        check_int_at_least("sequence_partitions", self.sequence_partitions, 1)
+        for name, low in (("max_steps", 1), ("sliding_window", 1), ("scheduler_warmup_steps", 0)):
+            if getattr(self, name) is not None:
+                check_int_at_least(name, getattr(self, name), low)
+        if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:
+            raise ValueError("lr and checkpoint_freq must be > 0 and weight_decay >= 0.")
+        self.cod  # noqa: B018 - validates the algorithm's knobs once, here
+
+    @property
+    def cod(self) -> CODConfig:
+        return CODConfig(
+            self.num_depths, self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors
+        )
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None = None, **overrides) -> TrainConfig:
+        """Defaults, then the YAML file's keys, then ``overrides`` that are not None.
+
+        An unknown key in the file raises ``ValueError`` naming the key and the file.
+        """
+        values: dict = {}
+        if yaml_path is not None:
+            import yaml
+
+            with open(yaml_path) as fh:
+                loaded = yaml.safe_load(fh) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{yaml_path} must hold a mapping of option: value.")
+            known = {f.name for f in fields(cls)}
+            for key in loaded:
+                if key.replace("-", "_") not in known:
+                    raise ValueError(
+                        f"Unknown key {key!r} in {yaml_path}; allowed: {', '.join(sorted(known))}."
+                    )
+            values = {k.replace("-", "_"): v for k, v in loaded.items()}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        hints = get_type_hints(cls)
+        return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

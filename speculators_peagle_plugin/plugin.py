@@ -1,13 +1,25 @@
-"""The algorithm object that the ``speculators.algorithms`` entry point names."""
+"""Algorithm discovery (entry points) and registration with speculators' registries.
+
+Any installed distribution that declares the ``speculators.algorithms`` entry-point group
+offers an algorithm; ``--algorithm NAME`` picks one. An algorithm object provides what the
+training loop calls: ``build_draft`` and ``build_trainer`` (see :class:`Algorithm`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+import torch
 
 from .config import CODConfig
 from .masks import create_peagle_mask_mod
 from .sampling import assign_cod_segments, generate_cod_sample_indices
+
+ENTRY_POINT_GROUP = "speculators.algorithms"
+# speculators owns "peagle" in its model registry; ours is registered beside it.
+SPECULATORS_REGISTRY_NAME = "peagle_plugin"
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,11 @@ class Algorithm:
         sampler: draws the flattened training elements of one row.
         mask_mod_factory: builds the attention ``mask_mod`` over those elements.
         segment_assigner: splits the elements into sequence partitions.
+        build_draft: ``(train_config, *, d2t, t2d, target_layer_ids, mask_token_id) ->
+            draft`` (a speculators ``SpeculatorModel``).
+        build_trainer: ``(draft, train_config, *, mask_token_id) -> module`` with
+            ``forward_batch(batch, peagle_segment=None)`` returning metrics with ``.loss``
+            and ``build_peagle_plan(loss_mask, document_ids=...)``.
     """
 
     name: str
@@ -29,6 +46,112 @@ class Algorithm:
     sampler: Callable
     mask_mod_factory: Callable
     segment_assigner: Callable
+    build_draft: Callable | None = None
+    build_trainer: Callable | None = None
+
+
+def discover_algorithms() -> dict[str, object]:
+    """``{name: algorithm}`` for every ``speculators.algorithms`` entry point installed."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_algorithm(name: str):
+    """Load the algorithm ``name``; an unknown name raises ``ValueError`` listing the known."""
+    found = discover_algorithms()
+    if name not in found:
+        raise ValueError(
+            f"Unknown algorithm {name!r}; installed: {', '.join(sorted(found)) or 'none'}."
+        )
+    return found[name].load()
+
+
+def register_with_speculators() -> str:
+    """Register :class:`PEagleDraftModel` in speculators' model registry; safe to repeat.
+
+    Returns the registry name. speculators raises on a second registration of a name, so
+    an existing entry for our class (or a reloaded copy of it) is left or replaced.
+    """
+    from speculators.model import SpeculatorModel
+
+    from .draft import PEagleDraftModel
+
+    registry = SpeculatorModel.registry or {}
+    current = registry.get(SPECULATORS_REGISTRY_NAME)
+    if current is PEagleDraftModel:
+        return SPECULATORS_REGISTRY_NAME
+    if current is not None and current.__qualname__ != PEagleDraftModel.__qualname__:
+        raise ValueError(
+            f"speculators' registry already holds {current!r} under "
+            f"{SPECULATORS_REGISTRY_NAME!r}; another plugin claims this name."
+        )
+    registry.pop(SPECULATORS_REGISTRY_NAME, None)
+    SpeculatorModel.register(SPECULATORS_REGISTRY_NAME)(PEagleDraftModel)
+    return SPECULATORS_REGISTRY_NAME
+
+
+def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
+    """The draft ``speculators train --speculator-type peagle`` builds, as our class.
+
+    speculators' own builders shape the decoder from the verifier and copy its embedding
+    and lm_head rows; only the class (ours, with the P-EAGLE mixins) differs.
+    """
+    from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
+    from speculators.train.cli import create_transformer_layer_config
+
+    from .draft import PEagleDraftModel
+
+    register_with_speculators()
+    num_layers = config.num_layers
+    full = range(num_layers) if config.sliding_window is None else config.full_attention_indices
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=config.verifier_name_or_path,
+        num_layers=num_layers,
+        draft_arch=config.draft_arch,
+        hidden_act=None,
+        sliding_window=config.sliding_window or 2048,
+        full_attention_indices=list(full),
+    )
+    draft = SpeculatorsPEagle.from_training_args.__func__(
+        PEagleDraftModel,
+        verifier_config=layer_config,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=config.verifier_name_or_path,
+        target_layer_ids=list(target_layer_ids),
+        draft_vocab_size=config.draft_vocab_size,
+        norm_before_residual=config.norm_before_residual,
+        embed_requires_grad=config.embed_requires_grad,
+        mask_token_id=mask_token_id,
+        num_depths=config.num_depths,
+        draft_attn_impl="sdpa",
+    )
+    draft.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
+    return draft
+
+
+def build_peagle_trainer(draft, config, *, mask_token_id):
+    """:class:`PEagleTrainerModule` over ``draft`` with the config's COD knobs."""
+    from .trainer import PEagleTrainerModule
+
+    cod = config.cod
+    vocab = draft.embed_tokens.num_embeddings
+    if draft.d2t is not None:  # d2t holds offsets: target id = draft id + d2t[draft id]
+        selected = draft.d2t + torch.arange(len(draft.d2t), device=draft.d2t.device)
+        selected_mask = draft.t2d
+    else:
+        selected = torch.arange(vocab)
+        selected_mask = torch.ones(vocab, dtype=torch.bool)
+    return PEagleTrainerModule(
+        draft,
+        selected,
+        selected_mask,
+        cod.num_depths,
+        mask_token_id,
+        cod.down_sample_ratio,
+        cod.down_sample_ratio_min,
+        config.sequence_partitions,
+        max_anchors=cod.max_anchors,
+    )
 
 
 PEAGLE = Algorithm(
@@ -39,4 +162,6 @@ PEAGLE = Algorithm(
     sampler=generate_cod_sample_indices,
     mask_mod_factory=create_peagle_mask_mod,
     segment_assigner=assign_cod_segments,
+    build_draft=build_peagle_draft,
+    build_trainer=build_peagle_trainer,
 )
