@@ -1,0 +1,69 @@
+"""TrainConfig: one default per field, YAML < flags, one-sentence errors."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from speculators_peagle_plugin.cli import build_train_config
+from speculators_peagle_plugin.config import CODConfig, TrainConfig
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+REQUIRED = {"verifier_name_or_path": "/m", "data_path": "/d"}
+
+
+def no_flags(**given):
+    flags = dict.fromkeys(TrainConfig.__dataclass_fields__)
+    flags.update(given)
+    return flags
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    config = build_train_config(str(path), no_flags(**REQUIRED))
+    assert config.algorithm == "peagle"
+    assert isinstance(config.cod, CODConfig)
+
+
+def test_shipped_configs_cover_the_demo_llama_qwen_and_long_context():
+    names = {p.stem for p in CONFIGS}
+    assert {"demo_smollm2", "llama3_1_8b", "qwen3_8b", "long_context"} <= names
+    for name in ("llama3_1_8b", "qwen3_8b"):
+        data = yaml.safe_load((Path(__file__).parent.parent / "configs" / f"{name}.yaml").open())
+        assert data["num_layers"] == 4 and data["num_depths"] == 8
+    long = yaml.safe_load((Path(__file__).parent.parent / "configs" / "long_context.yaml").open())
+    assert long["sequence_partitions"] > 1
+
+
+def test_precedence_defaults_then_file_then_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_depths: 5\nlr: 0.01\ntarget_layer_ids: [1, 2, 3]\n")
+    config = build_train_config(str(path), no_flags(**REQUIRED, lr="0.5"))
+    assert (config.num_depths, config.lr, config.target_layer_ids) == (5, 0.5, (1, 2, 3))
+    assert config.down_sample_ratio == CODConfig.down_sample_ratio  # untouched default
+    flags = no_flags(**REQUIRED, target_layer_ids="4,5 6", sliding_window="none")
+    config = build_train_config(str(path), flags)
+    assert config.target_layer_ids == (4, 5, 6) and config.sliding_window is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("num_depht: 5\n", "Unknown key 'num_depht' in"),
+        ("lr: fast\n", "lr must be of type float, got 'fast'."),
+        ("num_depths: 0\n", "num_depths must be an integer >= 1, got 0."),
+        ("sequence_partitions: 0\n", "sequence_partitions must be an integer >= 1"),
+        ("draft_arch: gpt2\n", "draft_arch must be one of llama, qwen3, got 'gpt2'."),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
+def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        build_train_config(str(path), no_flags(**REQUIRED))
+
+
+def test_required_paths():
+    with pytest.raises(ValueError, match="verifier_name_or_path is required"):
+        build_train_config(None, no_flags(data_path="/d"))
