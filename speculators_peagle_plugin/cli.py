@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from importlib.metadata import version
 from typing import get_args, get_type_hints
 
@@ -157,4 +158,103 @@ def train(config_file: str | None, **flags) -> None:
     except TrainingInterrupted as exc:
         click.echo(f"{exc}; run the same command again to resume.", err=True)
         raise SystemExit(128 + exc.signum) from None
-    click.echo(f"final checkpoint: {final}")
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"final checkpoint: {final}")
+
+
+def _ints(text: str, param: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of integers.", param_hint=param) from None
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.option("--target", help="Local target directory [default: the checkpoint's verifier].")
+@click.option("-k", "--num-speculative-tokens", type=int, help="K it will be served with.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "any"]),
+              help="Serving device; cpu checks CPU head dims [default: this machine].")  # fmt: skip
+def check(
+    checkpoint: str, target: str | None, num_speculative_tokens: int | None, device: str | None
+) -> None:
+    """List every way vLLM would reject or mis-serve CHECKPOINT, each with its fix."""
+    from .lint import check_checkpoint
+
+    try:
+        findings = check_checkpoint(
+            checkpoint, target, num_speculative_tokens=num_speculative_tokens, device=device
+        )
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    for finding in findings:
+        click.echo(str(finding))
+    errors = sum(f.severity == "error" for f in findings)
+    if errors:
+        click.echo(f"{errors} error(s): vLLM would reject or mis-serve {checkpoint}.", err=True)
+        raise SystemExit(1)
+    click.echo(f"OK: vLLM can serve {checkpoint} with parallel drafting.")
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.argument("output")
+@click.option("--target", help="Local target directory [default: the checkpoint's verifier].")
+@click.option("--mask-token-id", type=int, help="The trained mask id, if the config lacks it.")
+@click.option("-k", "--num-speculative-tokens", type=int,
+              help="The trained K, if the config lacks it.")  # fmt: skip
+@click.option("--device", type=click.Choice(["cpu", "cuda", "any"]),
+              help="Serving device [default: this machine].")  # fmt: skip
+def export(checkpoint: str, output: str, target: str | None, mask_token_id: int | None,
+           num_speculative_tokens: int | None, device: str | None) -> None:  # fmt: skip
+    """Write a fixed copy of CHECKPOINT to OUTPUT where every fix is mechanical."""
+    from .lint import export_checkpoint
+
+    try:
+        fixed, remaining = export_checkpoint(
+            checkpoint, output, target, mask_token_id=mask_token_id,
+            num_speculative_tokens=num_speculative_tokens, device=device,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    for finding in fixed:
+        click.echo(f"fixed [{finding.code}]: {finding.message}")
+    for finding in remaining:
+        click.echo(str(finding))
+    click.echo(f"wrote {output}")
+
+
+@main.command("eval")
+@click.option("--target", required=True, help="Local target directory.")
+@click.option("--draft", "drafts", multiple=True, help="P-EAGLE checkpoint (repeatable).")
+@click.option("--prompts", "prompt_sets", multiple=True, default=("humaneval",), show_default=True,
+              help="humaneval, chat or a .jsonl, optionally sliced: humaneval[120:164] "
+              "(repeatable).")  # fmt: skip
+@click.option("-k", "--num-speculative-tokens", "ks", default="4", show_default=True,
+              help="K, or a comma-separated sweep: 1,2,4.")  # fmt: skip
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Requests in flight.")
+@click.option("--backend", type=click.Choice(["vllm", "reference"]), default="vllm",
+              show_default=True)  # fmt: skip
+@click.option("--no-baseline", is_flag=True, help="Skip the no-draft run (no speedup).")
+@click.option("--ignore-eos", is_flag=True, help="Always decode --max-new-tokens tokens.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True)  # fmt: skip
+@click.option("--max-model-len", type=int, help="vLLM max_model_len [default: the target's].")
+@click.option("--out", "output_dir", help="Run directory [default: runs/eval-<UTC time>].")
+@click.option("--kv-cache-gb", type=int, help="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+@click.option("--multiprocess", is_flag=True, help="vLLM engine core in its own process.")
+def eval_command(ks: str, no_baseline: bool, **options) -> None:
+    """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
+    import sys
+
+    from .evaluate import EvalConfig, evaluate
+
+    values = {k: v for k, v in options.items() if v is not None}
+    try:
+        config = EvalConfig(
+            ks=_ints(ks, "--num-speculative-tokens"), baseline=not no_baseline, **values
+        )
+        evaluate(config, argv=sys.argv, echo=click.echo)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None

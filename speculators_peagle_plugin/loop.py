@@ -114,8 +114,10 @@ def _wrap(step_module: _StepModule, config: TrainConfig, world: _World) -> nn.Mo
     if config.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in step_module.trainer_module.draft.layers:
-            fully_shard(layer)
+        # One FSDP unit: parameters, gradients and optimizer state are sharded, and every
+        # forward all-gathers the whole draft once. Per-layer units would all-gather per
+        # layer, and a rank padding with EMPTY segments (no layer calls) would then fall out
+        # of step with the others' collectives.
         return fully_shard(step_module)
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(step_module, device_ids=device_ids)
@@ -431,7 +433,7 @@ def build_training(config: TrainConfig) -> TrainingSetup:
     """
     from transformers import AutoConfig
 
-    from .data import PackedBatches, open_training_data
+    from .data import PackedBatches, default_target_layer_ids, open_training_data
 
     world = _World.from_env(config.device)
     algorithm = load_algorithm(config.algorithm)
@@ -456,9 +458,18 @@ def build_training(config: TrainConfig) -> TrainingSetup:
             f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
             f"({vocab})."
         )
-    d2t, t2d = data.vocab_mapping(config.draft_vocab_size)
+    d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
     mask_token_id, reason = _resolve_mask_token(config, vocab)
-    layer_ids = config.target_layer_ids or data.target_layer_ids(verifier_config)
+    layer_ids = (
+        config.target_layer_ids
+        or data.target_layer_ids
+        or default_target_layer_ids(verifier_config.num_hidden_layers)
+    )
+    if len(layer_ids) != data.num_aux_layers:
+        raise ValueError(
+            f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
+            f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
+        )
 
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)
@@ -526,6 +537,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,
         desc=f"train {config.algorithm}", unit="step", dynamic_ncols=True,
     )  # fmt: skip
+    run_began = time.perf_counter()
     with _StopFlag() as stop:
         for step in range(start, setup.total_steps):
             began = time.perf_counter()
@@ -542,9 +554,10 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
             setup.scheduler.step()
             tokens = float((batch["document_ids"] >= 0).sum())
             record = _reduce_record(stats, tokens, stop.signum, world)
+            now = time.perf_counter()
             record.update(
                 step=step + 1, epoch=epoch, lr=setup.scheduler.get_last_lr()[0],
-                tokens_per_s=record["tokens"] / (time.perf_counter() - began),
+                tokens_per_s=record["tokens"] / (now - began), wall_s=now - run_began,
             )  # fmt: skip
             stop_now = record.pop("stop")
             bar.update(1)

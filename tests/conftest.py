@@ -1,9 +1,45 @@
 import os
 import sys
+import textwrap
 from pathlib import Path
+
+import pytest
 
 # No hub: any accidental download fails at once instead of retrying.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # tests/tiny.py is a helper module shared by the test files.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def third_party_algorithm(tmp_path, monkeypatch):
+    """A separate distribution, ``dummy-drafts``, declaring the ``speculators.algorithms``
+    group. Its algorithm reuses P-EAGLE's builders and records each call in ``CALLS``."""
+    (tmp_path / "dummy_drafts.py").write_text(
+        textwrap.dedent(
+            """
+            import dataclasses
+
+            from speculators_peagle_plugin.plugin import PEAGLE
+
+            CALLS = []
+
+            def build_trainer(draft, config, *, mask_token_id):
+                CALLS.append(config.algorithm)
+                return PEAGLE.build_trainer(draft, config, mask_token_id=mask_token_id)
+
+            DUMMY = dataclasses.replace(
+                PEAGLE, name="dummy", summary="a third-party drafting algorithm (test)",
+                build_trainer=build_trainer,
+            )
+            """
+        )
+    )
+    info = tmp_path / "dummy_drafts-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-drafts\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[speculators.algorithms]\ndummy = dummy_drafts:DUMMY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "dummy"
+    sys.modules.pop("dummy_drafts", None)

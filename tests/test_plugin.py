@@ -1,7 +1,6 @@
 """Algorithm discovery through entry points, and registration with speculators."""
 
 import sys
-import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -17,37 +16,9 @@ from speculators_peagle_plugin.plugin import (
 )
 
 
-@pytest.fixture
-def third_party_algorithm(tmp_path, monkeypatch):
-    """A separate distribution, ``dummy-drafts``, declaring the same entry-point group."""
-    (tmp_path / "dummy_drafts.py").write_text(
-        textwrap.dedent(
-            """
-            from dataclasses import dataclass
-
-            @dataclass(frozen=True)
-            class Dummy:
-                name: str = "dummy"
-                summary: str = "a third-party drafting algorithm"
-
-            DUMMY = Dummy()
-            """
-        )
-    )
-    info = tmp_path / "dummy_drafts-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dummy-drafts\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[speculators.algorithms]\ndummy = dummy_drafts:DUMMY\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "dummy"
-    sys.modules.pop("dummy_drafts", None)
-
-
 def test_a_third_party_algorithm_is_discovered_listed_and_loaded(third_party_algorithm):
     assert set(discover_algorithms()) >= {"peagle", "dummy"}
-    assert load_algorithm("dummy").summary == "a third-party drafting algorithm"
+    assert load_algorithm("dummy").summary == "a third-party drafting algorithm (test)"
     assert load_algorithm("peagle") is PEAGLE
     result = CliRunner().invoke(main, ["algorithms"])
     assert result.exit_code == 0, result.output

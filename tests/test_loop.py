@@ -1,0 +1,254 @@
+"""The training loop end to end on a tiny local target: CLI, checkpoints, resume, DDP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tiny import tiny_target, tiny_tokenizer
+
+from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.config import TrainConfig
+from speculators_peagle_plugin.data import DataGenConfig, PackedBatches, generate_data
+from speculators_peagle_plugin.loop import (
+    CHECKPOINT_PREFIX,
+    METRICS_FILE,
+    build_training,
+    checkpoint_dirs,
+    cod_generator,
+)
+
+DRAFT_VOCAB = 40
+REPO = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny target (with tokenizer and chat template) and 16 generated samples."""
+    root = tmp_path_factory.mktemp("loop")
+    target = tiny_target(root / "target")
+    tiny_tokenizer().save_pretrained(target)
+    gen = torch.Generator().manual_seed(0)
+    with open(root / "prompts.jsonl", "w") as fh:
+        for _ in range(16):
+            n = int(torch.randint(3, 12, (1,), generator=gen))
+            words = " ".join(f"w{int(i)}" for i in torch.randint(0, 80, (n,), generator=gen))
+            fh.write(json.dumps({"prompt": words}) + "\n")
+    generate_data(
+        DataGenConfig(
+            target=target, prompts=str(root / "prompts.jsonl"), output=str(root / "data"),
+            max_new_tokens=40, temperature=1.0, batch_size=8, target_layer_ids=(1, 2, 3),
+            draft_vocab_size=DRAFT_VOCAB,
+        )
+    )  # fmt: skip
+    return root
+
+
+def train_args(workdir, save, *extra):
+    return [
+        "train", "--verifier-name-or-path", str(workdir / "target"),
+        "--data-path", str(workdir / "data"), "--save-path", str(save),
+        "--draft-vocab-size", str(DRAFT_VOCAB), "--num-depths", "3", "--total-seq-len", "96",
+        "--seed", "3", "--lr", "0.01", *extra,
+    ]  # fmt: skip
+
+
+def config_for(workdir, save, **kw):
+    return TrainConfig(
+        verifier_name_or_path=str(workdir / "target"), data_path=str(workdir / "data"),
+        save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, total_seq_len=96,
+        seed=3, lr=0.01, **kw,
+    )  # fmt: skip
+
+
+def run_cli(args):
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+def test_train_writes_a_checkpoint_speculators_and_vllm_accept(workdir, tmp_path):
+    from speculators.model import SpeculatorModel
+    from speculators.models.peagle import PEagleDraftModel as SpeculatorsPEagle
+
+    code, out = run_cli(
+        train_args(workdir, tmp_path, "--max-steps", "5", "--sequence-partitions", "2")
+    )
+    assert code == 0, out
+    final = tmp_path / f"{CHECKPOINT_PREFIX}5"
+    assert f"final checkpoint: {final}" in out
+    config = json.loads((final / "config.json").read_text())
+    assert "model_type" not in config  # vLLM: only speculators_model_type at the top
+    assert config["speculators_model_type"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["mask_token_id"] == len(tiny_tokenizer())  # first row past the tokenizer
+    weights = load_file(final / "model.safetensors")
+    assert "mask_hidden" in weights and not any(k.startswith("model.") for k in weights)
+    loaded = SpeculatorModel.from_pretrained(final, verifier=str(workdir / "target"))
+    assert type(loaded) is SpeculatorsPEagle
+    assert torch.equal(loaded.mask_hidden.detach(), weights["mask_hidden"])
+    records = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert len(r["accuracy_per_depth"]) == 3 and r["tokens"] > 0 and r["loss"] > 0
+        assert 1 <= r["acceptance_length"] <= 4
+
+
+def test_training_lowers_the_loss(workdir, tmp_path):
+    code, out = run_cli(train_args(workdir, tmp_path, "--max-steps", "30", "--epochs", "100"))
+    assert code == 0, out
+    losses = [json.loads(x)["loss"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def run_subprocess(args, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "speculators_peagle_plugin", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+    )  # fmt: skip
+
+
+def final_weights(save):
+    return load_file(checkpoint_dirs(Path(save))[-1] / "model.safetensors")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_killed_and_resumed_equals_uninterrupted(workdir, tmp_path, sig):
+    args = ["--max-steps", "40", "--epochs", "100", "--sequence-partitions", "2"]
+    straight = run_subprocess(train_args(workdir, tmp_path / "straight", *args))
+    out, _ = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out
+
+    killed = run_subprocess(train_args(workdir, tmp_path / "killed", *args))
+    metrics = tmp_path / "killed" / METRICS_FILE
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert killed.poll() is None and time.time() < deadline, killed.stdout.read()
+        time.sleep(0.01)
+    killed.send_signal(sig)
+    out, _ = killed.communicate(timeout=300)
+    assert killed.returncode == 128 + sig, out
+    assert "run the same command again to resume" in out
+    (interrupted,) = checkpoint_dirs(tmp_path / "killed")
+    assert 3 <= int(interrupted.name[len(CHECKPOINT_PREFIX) :]) < 40
+
+    resumed = run_subprocess(train_args(workdir, tmp_path / "killed", *args))
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 41))
+
+
+def reference_step(workdir, save, partitions, world_size=2):
+    """One optimizer step in this process on the global batch of ``world_size`` rows:
+    the mean of the rows' losses, each row's COD drawn as that rank draws it."""
+    config = config_for(workdir, save, sequence_partitions=partitions, max_steps=1)
+    setup = build_training(config)
+    rows = PackedBatches(
+        setup.batches.data, 96, seed=3, rank=0, world_size=world_size
+    ).global_rows(0, 0)
+    module = setup.module
+    setup.optimizer.zero_grad()
+    for rank, row in enumerate(rows):
+        module.generator = cod_generator(3, 0, rank, torch.device("cpu"))
+        if partitions == 1:
+            (module.forward_batch(row).loss / world_size).backward()
+            continue
+        plan = module.build_peagle_plan(row["loss_mask"], document_ids=row["document_ids"])
+        for i in range(len(plan)):
+            (module.forward_batch(row, peagle_segment=(plan, i)).loss / world_size).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
+    setup.optimizer.step()
+    return {k: v.detach() for k, v in setup.draft.state_dict().items()}
+
+
+@pytest.mark.parametrize(("partitions", "wrapper"), [(1, "ddp"), (3, "ddp"), (3, "fsdp")])
+def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, partitions, wrapper):
+    save = tmp_path / "ddp"
+    port = 29500 + partitions + 10 * (wrapper == "fsdp")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(port), "-m", "speculators_peagle_plugin",
+        *train_args(workdir, save, "--max-steps", "1", "--sequence-partitions", str(partitions)),
+        *(["--fsdp"] if wrapper == "fsdp" else []),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ddp = final_weights(save)
+    ref = reference_step(workdir, tmp_path / "ref", partitions)
+    initial = build_training(config_for(workdir, tmp_path / "init")).draft.state_dict()
+    changed = 0
+    for key, value in ddp.items():
+        torch.testing.assert_close(value, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+        changed += not torch.equal(value, initial[key])
+    assert changed >= 3  # fc, layer weights, mask_hidden... moved
+
+
+@pytest.fixture
+def spoil(workdir, tmp_path):
+    """A copy of the data directory to damage."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(workdir / "data", copy)
+    return copy
+
+
+def refused(workdir, save, data, *extra):
+    args = train_args(workdir, save, "--max-steps", "1", *extra)
+    args[args.index("--data-path") + 1] = str(data)
+    code, out = run_cli(args)
+    assert code == 1, out
+    assert not save.exists() or not any(save.iterdir()), "a partial checkpoint was left"
+    return out.strip().splitlines()[-1]
+
+
+def test_bad_inputs_fail_with_one_sentence_and_no_checkpoint(workdir, tmp_path, spoil):
+    save = tmp_path / "out"
+    assert "not an existing directory" in refused(workdir, save, tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert str(empty) in refused(workdir, save, empty)
+    hs = sorted((spoil / "hidden_states").glob("hs_*.safetensors"))[3]
+    hs.write_bytes(hs.read_bytes()[:100])
+    assert hs.name in refused(workdir, save, spoil)
+    line = refused(workdir, save, workdir / "data", "--mask-token-id", "5")
+    assert "mask_token_id 5" in line and "ordinary vocabulary token" in line
+
+
+def test_a_verifier_of_another_hidden_size_is_refused(workdir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, num_hidden_layers=4, vocab_size=96)
+    ).save_pretrained(other)  # fmt: skip
+    tiny_tokenizer().save_pretrained(other)
+    args = train_args(workdir, tmp_path / "out", "--max-steps", "1")
+    args[args.index("--verifier-name-or-path") + 1] = str(other)
+    code, out = run_cli(args)
+    assert code == 1 and "hidden" in out.splitlines()[-1], out
+
+
+def test_train_runs_a_third_party_algorithm_through_its_own_hooks(
+    workdir, tmp_path, third_party_algorithm
+):
+    code, out = run_cli(
+        train_args(workdir, tmp_path, "--max-steps", "2", "--algorithm", third_party_algorithm)
+    )
+    assert code == 0, out
+    assert sys.modules["dummy_drafts"].CALLS == ["dummy"]
+    assert len(checkpoint_dirs(tmp_path)) == 1
