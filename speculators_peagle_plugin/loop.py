@@ -148,7 +148,7 @@ def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
 def cod_generator(seed: int, step: int, rank: int, device: torch.device) -> torch.Generator:
     """The COD sampler's generator for one (step, rank): a pure function, for exact resume."""
     gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+    gen.manual_seed(((seed * 1_000_003 + step) * 4099 + rank) % 2**63)
     return gen
 
 
