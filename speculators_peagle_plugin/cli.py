@@ -243,7 +243,8 @@ def export(checkpoint: str, output: str, target: str | None, mask_token_id: int 
 @click.option("--max-model-len", type=int, help="vLLM max_model_len [default: the target's].")
 @click.option("--out", "output_dir", help="Run directory [default: runs/eval-<UTC time>].")
 @click.option("--kv-cache-gb", type=int, help="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
-@click.option("--multiprocess", is_flag=True, help="vLLM engine core in its own process.")
+@click.option("--in-process", is_flag=True,
+              help="vLLM engine core inside the worker: fast start, slower tokens/s.")  # fmt: skip
 def eval_command(ks: str, no_baseline: bool, **options) -> None:
     """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
     import sys
@@ -258,3 +259,4 @@ def eval_command(ks: str, no_baseline: bool, **options) -> None:
         evaluate(config, argv=sys.argv, echo=click.echo)
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+

@@ -1,0 +1,218 @@
+"""Out-of-process vLLM runner for the acceptance-length harness: JSON lines in, JSON lines out.
+
+Run by ``speculators_peagle_plugin.evaluate`` (never imported by it), so vLLM's engine,
+its threads and its ~3 GB live and die in this process. Protocol, one JSON object a line:
+
+- in (stdin): ``{"op": "run", "job": {...}}`` or ``{"op": "quit"}``.
+- out (the original stdout; everything vLLM prints goes to stderr): ``{"event": "ready"}``
+  once, then per job ``{"event": "engine", ...}`` when an engine is built,
+  ``{"event": "progress", ...}`` after each finished request, and one
+  ``{"event": "result", ...}`` or ``{"event": "error", "message": ...}``.
+
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by the driver for ``in_process``) keeps the
+engine core in this process (``distributed_executor_backend="uni"``).
+
+A job: ``target`` (local dir), ``draft`` (P-EAGLE checkpoint dir or null for the no-draft
+baseline), ``num_speculative_tokens``, ``prompts`` (lists of token ids, chat template
+already applied), ``max_tokens``, ``batch_size`` (requests in flight), and optionally
+``ignore_eos``, ``dtype``, ``max_model_len``, ``seed``, ``enforce_eager`` and
+``speculative_overrides`` (merged into vLLM's speculative config). Decoding is greedy.
+With a draft the engine must really run parallel drafting (``speculative_config.
+parallel_drafting`` true on the running engine) or the job fails: vLLM drafts
+sequentially otherwise, and such figures would not measure P-EAGLE.
+
+The spec-decode counters are cumulative per engine, so a job reports the difference
+between snapshots taken just before and after its own requests. Consecutive jobs with
+the same engine settings reuse the engine (one start per draft and K).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+ENGINE_KEYS = (
+    "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
+    "enforce_eager", "speculative_overrides", "batch_size",
+)  # fmt: skip
+
+
+def snapshot(llm) -> dict:
+    """The spec-decode counters now, summed over engines (labels differ only by engine)."""
+    out = {name: 0 for name in COUNTERS.values()}
+    per_pos: list[int] = []
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POS:
+            values = [int(v) for v in metric.values]
+            per_pos = [a + b for a, b in zip(per_pos + [0] * len(values), values, strict=False)]
+            per_pos += values[len(per_pos) :]
+    out["accepted_per_pos"] = per_pos
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    per_pos = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
+    return {
+        **{k: after[k] - before[k] for k in COUNTERS.values()},
+        "accepted_per_pos": [
+            a - b for a, b in zip(after["accepted_per_pos"], per_pos, strict=False)
+        ],
+    }
+
+
+class Worker:
+    def __init__(self, emit):
+        self.emit = emit
+        self.llm = None
+        self.key = None
+        self.serial = 0  # request ids stay unique across jobs on one engine
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.key = None, None
+            gc.collect()
+
+    def engine(self, job: dict):
+        """The engine for ``job``, reusing the current one when its settings match."""
+        key = json.dumps({k: job.get(k) for k in ENGINE_KEYS}, sort_keys=True)
+        if key == self.key:
+            return self.llm
+        self.shutdown()
+        from vllm import LLM
+
+        kwargs = {}
+        if job.get("draft"):
+            kwargs["speculative_config"] = {
+                "method": "eagle3",
+                "model": job["draft"],
+                "num_speculative_tokens": job["num_speculative_tokens"],
+                "parallel_drafting": True,
+                **job.get("speculative_overrides", {}),
+            }
+        start = time.perf_counter()
+        llm = LLM(
+            model=job["target"],
+            dtype=job.get("dtype", "float32"),
+            max_model_len=job.get("max_model_len"),
+            seed=job.get("seed", 0),
+            enforce_eager=job.get("enforce_eager", True),
+            max_num_seqs=job["batch_size"],
+            # Each request computes its own prefix: acceptance must not depend on which
+            # prompts shared cached blocks with earlier ones.
+            enable_prefix_caching=False,
+            disable_log_stats=False,
+            **({"distributed_executor_backend": "uni"} if _in_process() else {}),
+            **kwargs,
+        )
+        spec = llm.llm_engine.vllm_config.speculative_config
+        facts = {
+            "event": "engine",
+            "start_s": time.perf_counter() - start,
+            "method": None if spec is None else spec.method,
+            "parallel_drafting": None if spec is None else bool(spec.parallel_drafting),
+            "num_speculative_tokens": None if spec is None else spec.num_speculative_tokens,
+        }
+        self.llm, self.key = llm, key
+        self.emit(facts)
+        if job.get("draft") and not facts["parallel_drafting"]:
+            self.shutdown()
+            raise RuntimeError(
+                "the running vLLM engine has speculative_config.parallel_drafting = "
+                f"{facts['parallel_drafting']}: it would draft the K tokens sequentially, "
+                "so its acceptance figures would not measure P-EAGLE; refusing to report."
+            )
+        return llm
+
+    def run(self, job: dict) -> dict:
+        """Greedy-decode every prompt with ``batch_size`` requests in flight."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self.engine(job)
+        engine = llm.llm_engine
+        params = SamplingParams(
+            temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False)
+        )
+        has_draft = bool(job.get("draft"))
+        first = snapshot(llm) if has_draft else None
+        self.serial += 1
+        ids = [f"{self.serial}-{i}" for i in range(len(job["prompts"]))]
+        outputs: dict[str, list[int]] = {}
+        start = time.perf_counter()
+        # The engine's scheduler keeps max_num_seqs = batch_size requests running.
+        for request_id, prompt in zip(ids, job["prompts"], strict=True):
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                self.emit(
+                    {
+                        "event": "progress",
+                        "done": len(outputs),
+                        "total": len(ids),
+                        "output_tokens": sum(map(len, outputs.values())),
+                        "wall_s": time.perf_counter() - start,
+                        "counters": difference(snapshot(llm), first) if has_draft else None,
+                    }
+                )
+        wall = time.perf_counter() - start
+        ordered = [outputs[i] for i in ids]
+        return {
+            "event": "result",
+            "backend": "vllm",
+            "num_speculative_tokens": job.get("num_speculative_tokens") if has_draft else 0,
+            "counters": difference(snapshot(llm), first) if has_draft else None,
+            "output_tokens": sum(map(len, ordered)),
+            "wall_s": wall,
+            "outputs": ordered,
+        }
+
+
+def _in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def main() -> None:
+    # The protocol owns the real stdout; vLLM and its children print to stderr.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def emit(message: dict) -> None:
+        protocol.write(json.dumps(message) + "\n")
+        protocol.flush()
+
+    import vllm
+
+    worker = Worker(emit)
+    emit({"event": "ready", "vllm_version": vllm.__version__, "in_process": _in_process()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request.get("op") == "quit":
+            break
+        try:
+            emit(worker.run(request["job"]))
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises
+            worker.shutdown()  # never reuse an engine a failed job may have left busy
+            emit({"event": "error", "message": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

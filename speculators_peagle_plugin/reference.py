@@ -1,0 +1,318 @@
+"""Reference P-EAGLE runtime: parallel drafting + greedy verification in torch/transformers.
+
+For machines without vLLM, and as an independent check that the draft trained here is
+served the way it was trained. It reproduces vLLM's parallel-drafting EAGLE proposer
+(``vllm/v1/spec_decode/llm_base_proposer.py`` + ``copy_and_expand_eagle_inputs_kernel``
+in ``vllm/v1/spec_decode/utils.py``) slot for slot. After the target commits tokens
+``x_0 .. x_{p+1}`` (``x_{p+1}`` is the bonus token it just chose) with aux states
+``h_0 .. h_p``, the draft runs one forward over:
+
+    slot                  token              hidden (before ``fc``)   position
+    context ``t < p``     ``x_{t+1}``        ``h_t``                  ``t``
+    bonus                 ``x_{p+1}``        ``h_p``                  ``p``
+    mask ``1 <= i < K``   ``mask_token_id``  ``mask_hidden``          ``p + i``
+
+with causal attention; the logits of slots ``p .. p+K-1`` are the K drafts for positions
+``p+2 .. p+K+1``. The target then scores ``[x_{p+1}, d_1 .. d_K]`` in one forward and
+keeps the longest prefix of drafts equal to its own greedy choices plus one token of its
+own (the next bonus). vLLM keeps the draft's KV cache, rewriting each position with its
+context slot as soon as the token there is committed; recomputing the draft over all
+context slots every step, as here, gives the same keys and values.
+
+The draft forward is :meth:`PEagleDraftModel.forward_peagle` itself with the slots
+described as one COD chain (context = depth 0 anchored at ``t``; mask slot ``i`` = depth
+``i`` anchored at ``p``): the P-EAGLE mask then reduces to exactly this causal mask, so an
+agreement with vLLM also shows that the training forward is the serving forward.
+
+Legend: ``p`` = last committed position with a target hidden state, ``K`` = drafts per
+step, ``V`` / ``V_d`` = target / draft vocabulary, ``H_t`` = target hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from speculators.models.peagle.config import PEagleSpeculatorConfig
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+
+from .draft import PEagleDraftModel
+
+__all__ = [
+    "ReferenceRuntime",
+    "SpecDecodeCounters",
+    "load_reference_draft",
+    "stop_token_ids",
+]
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's spec-decode counters (``vllm:spec_decode_*``) for one run.
+
+    Args:
+        num_drafts: verify steps that carried drafts.
+        num_draft_tokens: drafted tokens (``K`` per draft).
+        num_accepted_tokens: drafted tokens the target accepted.
+        accepted_per_pos: ``[K]`` drafts whose token ``i`` was accepted.
+
+    Example: K = 2, two drafts accepting 2 and 0 -> acceptance length 1 + 2/2 = 2.0,
+    per position [0.5, 0.5].
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verify step, as vLLM's ``SpecDecodingStats.observe_draft`` does."""
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target forward: ``1 + accepted / drafts`` (1 is the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def per_position(self) -> list[float]:
+        """Acceptance rate of draft position ``i``: ``accepted_per_pos[i] / drafts``."""
+        return [n / max(self.num_drafts, 1) for n in self.accepted_per_pos]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }
+
+
+def stop_token_ids(target_dir: str | Path, tokenizer=None) -> set[int]:
+    """The ids that end a greedy request: the tokenizer's eos plus generation_config's.
+
+    vLLM stops on the tokenizer's ``eos_token_id`` and adds ``generation_config.json``'s
+    ``eos_token_id`` (int or list) as stop ids; the reference does the same.
+    """
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        eos = GenerationConfig.from_pretrained(str(target_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is not None:
+        ids.update(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ids
+
+
+def load_reference_draft(
+    draft_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> PEagleDraftModel:
+    """Load a speculators-format P-EAGLE checkpoint (ours or speculators') for inference.
+
+    The verifier path is pointed at ``target_dir`` so that speculators resolves layer
+    ids and fills weights the checkpoint leaves out (embeddings) from the local target,
+    as vLLM shares them; no hub access.
+    """
+    config = PEagleSpeculatorConfig.from_pretrained(str(draft_dir))
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    draft = PEagleDraftModel.from_pretrained(str(draft_dir), config=config)
+    return draft.to(dtype).eval()
+
+
+class _TargetWithAux:
+    """The target with a KV cache, returning logits and the draft's aux states.
+
+    Aux layer id ``L`` is the residual stream after ``L`` decoder layers (vLLM's
+    ``_maybe_add_hidden_state``); transformers' ``hidden_states[L]`` is the same for
+    ``L < N``, but ``hidden_states[N]`` is after the final norm, so the last layer's
+    pre-norm stream is captured with a hook on the norm's input.
+    """
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.num_layers = model.config.num_hidden_layers
+        self._pre_norm: torch.Tensor | None = None
+        model.model.norm.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args) -> None:
+        self._pre_norm = args[0]
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, cache: DynamicCache):
+        """``ids [n]`` after ``cache`` -> ``(logits [n, V], aux [n, n_aux*H_t] or None)``."""
+        want_aux = bool(self.layer_ids)
+        out = self.model(
+            input_ids=ids[None], past_key_values=cache, use_cache=True,
+            output_hidden_states=want_aux,
+        )  # fmt: skip
+        if not want_aux:
+            return out.logits[0].float(), None
+        states = [
+            self._pre_norm if i == self.num_layers else out.hidden_states[i] for i in self.layer_ids
+        ]
+        return out.logits[0].float(), torch.cat(states, dim=-1)[0]
+
+
+class ReferenceRuntime:
+    """Greedy speculative decoding of one target with an optional P-EAGLE draft.
+
+    Args:
+        target_dir: a local transformers causal-LM directory.
+        draft_dir: a speculators-format P-EAGLE checkpoint, or ``None`` for plain greedy
+            decoding (the baseline).
+        num_speculative_tokens: ``K`` drafts per step (required with a draft).
+        dtype: weights and activations (float32 to compare with vLLM in float32).
+
+    Example::
+
+        rt = ReferenceRuntime("target/", "draft/", num_speculative_tokens=4)
+        tokens, counters = rt.generate([1, 2, 3], max_new_tokens=64)
+        counters.acceptance_length  # 1 + accepted / drafts
+    """
+
+    def __init__(
+        self,
+        target_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        num_speculative_tokens: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+        self.draft = None
+        layer_ids: list[int] = []
+        if draft_dir is not None:
+            if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+                raise ValueError(
+                    "num_speculative_tokens must be an integer >= 1 with a draft, "
+                    f"got {num_speculative_tokens!r}."
+                )
+            self.draft = load_reference_draft(draft_dir, target_dir, dtype)
+            layer_ids = list(self.draft.config.eagle_aux_hidden_state_layer_ids)
+            # chunked = the exact CPU path; flex needs a compiled kernel to be fast.
+            self.draft.attention_impl = "chunked"
+        self.num_speculative_tokens = num_speculative_tokens
+        self.target = _TargetWithAux(model, layer_ids)
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def draft_logits(self, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the K drafting slots (bonus + K-1 mask slots).
+
+        Args:
+            tokens: ``[p + 2]`` committed tokens, the last one the bonus token.
+            aux: ``[p + 1, n_aux*H_t]`` the target's aux states at positions ``0..p``.
+
+        Returns:
+            ``[K, V_d]`` logits of slots ``p .. p+K-1``.
+        """
+        draft, k = self.draft, self.num_speculative_tokens
+        n_ctx = aux.shape[0]  # p + 1
+        ids = torch.cat([tokens[1:], tokens.new_full((k - 1,), draft.mask_token_id)])
+        hidden = torch.cat(
+            [
+                draft.project_hidden_states(aux.to(self.dtype)),
+                draft.masked_projected_hidden().expand(k - 1, -1),
+            ]
+        )
+        # One COD chain: context = depth 0 at anchor t; mask slot i = depth i at anchor p.
+        anchor = torch.cat([torch.arange(n_ctx), torch.full((k - 1,), n_ctx - 1)])
+        depth = torch.cat([torch.zeros(n_ctx, dtype=torch.long), torch.arange(1, k)])
+        length = n_ctx + k - 1
+        masks = draft.build_peagle_block_mask(anchor, depth, torch.tensor([length]), length)
+        out = draft.forward_peagle(ids[None], hidden[None], (anchor + depth)[None], masks)[0]
+        return draft.compute_logits(out[n_ctx - 1 :])
+
+    def propose(self, tokens: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The K greedy drafts as target-vocabulary ids ``[K]`` (see :meth:`draft_logits`)."""
+        drafts = self.draft_logits(tokens, aux).argmax(-1)
+        if self.draft.d2t is not None:  # offsets: target id = draft id + d2t[draft id]
+            drafts = drafts + self.draft.d2t[drafts]
+        return drafts
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+        counters: SpecDecodeCounters | None = None,
+    ) -> tuple[list[int], SpecDecodeCounters]:
+        """Greedy decode ``prompt_ids``; returns ``(new tokens, counters)``.
+
+        Stops after ``max_new_tokens`` tokens or at the first id in ``stop_ids`` (kept,
+        as vLLM keeps eos in the output ids). Every verify step drafts ``K`` tokens and
+        is counted in full, even the last one, as vLLM's scheduler does.
+        """
+        counters = counters if counters is not None else SpecDecodeCounters()
+        cache = DynamicCache()
+        prompt = torch.tensor(list(prompt_ids), dtype=torch.long)
+        logits, aux = self.target(prompt, cache)
+        tokens = torch.cat([prompt, logits[-1:].argmax(-1)])
+        out = [int(tokens[-1])]
+        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            if self.draft is None:
+                logits, _ = self.target(tokens[-1:], cache)
+                new = logits.argmax(-1)
+                num_accepted = None
+            else:
+                drafts = self.propose(tokens, aux)
+                k = drafts.shape[0]
+                logits, new_aux = self.target(torch.cat([tokens[-1:], drafts]), cache)
+                greedy = logits.argmax(-1)  # [K + 1]
+                match = (greedy[:k] == drafts).long()
+                num_accepted = int(match.cumprod(0).sum())
+                counters.observe(k, num_accepted)
+                new = torch.cat([drafts[:num_accepted], greedy[num_accepted : num_accepted + 1]])
+                # Keep states of the bonus token and the accepted drafts; drop the rest.
+                aux = torch.cat([aux, new_aux[: num_accepted + 1]])
+                if num_accepted < k:
+                    cache.crop(num_accepted - k)  # drop the rejected drafts' entries
+            tokens = torch.cat([tokens, new])
+            for t in new.tolist():
+                if len(out) >= max_new_tokens or (out and out[-1] in stop_ids):
+                    break
+                out.append(t)
+        return out, counters
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+        on_prompt: Callable[[int, SpecDecodeCounters], None] | None = None,
+    ) -> dict:
+        """Decode every prompt; the result has the vLLM worker's JSON keys.
+
+        ``on_prompt(new_tokens, counters)`` is called after each prompt (progress bars).
+        """
+        counters = SpecDecodeCounters()
+        outputs, start = [], time.perf_counter()
+        for prompt in prompts:
+            new, counters = self.generate(prompt, max_new_tokens, stop_ids, counters)
+            outputs.append(new)
+            if on_prompt is not None:
+                on_prompt(len(new), counters)
+        wall = time.perf_counter() - start
+        k = self.num_speculative_tokens if self.draft is not None else 0
+        if len(counters.accepted_per_pos) < k:
+            counters.accepted_per_pos += [0] * (k - len(counters.accepted_per_pos))
+        return {
+            "backend": "reference",
+            "num_speculative_tokens": k,
+            "counters": counters.to_dict() if self.draft is not None else None,
+            "output_tokens": sum(len(o) for o in outputs),
+            "wall_s": wall,
+            "outputs": outputs,
+        }

