@@ -5,7 +5,8 @@
         [--long-seq-len 16384 --long-partitions 8] [--skip-speculators] [--json OUT]
 
 One step is ``opt.zero_grad(set_to_none=True)`` -> forward -> backward ->
-``torch.optim.AdamW(lr=1e-3, weight_decay=0.01).step()``, float32, 2 threads:
+``torch.optim.AdamW(lr=1e-3, weight_decay=0.01).step()``, float32, 2 threads
+(``OMP_WAIT_POLICY=PASSIVE`` unless set: see ``run_case``):
 
 - speculators: ``speculators.models.peagle.core.PEagleDraftModel`` called directly,
   as in ``baseline_speculators_peagle.py`` (its Trainer is GPU-only): eager KL loss,
@@ -21,8 +22,9 @@ Both see the same packed batch (one document, loss mask all ones but position 0)
 the same torch seed per step, so both COD samplers draw the same elements.
 
 Each (side, S, P) case runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is
-its own. Reported: median step seconds over the timed steps, peak RSS, and the flat
-COD element count N of the last step.
+its own. Reported: median step seconds over the timed steps, peak RSS, the flat
+COD element count N of the last step, and the 1-min load average after each case
+(the machine may be shared: other processes skew step times, not peak memory).
 """
 
 from __future__ import annotations
@@ -273,15 +275,16 @@ def worker(case: dict) -> dict:
         out["n_trainable"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
         out["peak_rss_before_steps_gib"] = _peak_rss_gib()
-        times, losses = [], []
+        times, cpu_times, losses = [], [], []
         for i in range(case["warmup"] + case["steps"]):
             torch.manual_seed(100 + i)  # COD sampling draws from the torch RNG
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
             loss = fwd_bwd()
             opt.step()
             dt = time.perf_counter() - t
             times.append(dt)
+            cpu_times.append(time.process_time() - cpu)
             losses.append(loss)
             print(
                 f"  [{case['side']} S={case['S']} P={case['P']}] step {i} {dt:.2f}s "
@@ -294,10 +297,13 @@ def worker(case: dict) -> dict:
             if dt > case["step_limit_s"]:
                 out["aborted"] = f"step {i} took {dt:.0f}s > step limit {case['step_limit_s']}s"
                 break
+        out["load_avg_1min"] = os.getloadavg()[0]  # other processes on the machine skew times
         timed = times[case["warmup"] :]
         out["warmup_s"] = times[: case["warmup"]]
         out["step_s"] = timed
         out["median_s"] = statistics.median(timed) if timed else None
+        # CPU seconds of all threads: at 1 thread, the step time a contended machine hides
+        out["median_cpu_s"] = statistics.median(cpu_times[case["warmup"] :]) if timed else None
         out["losses"] = losses
         out["cod_N"] = counts[-1] if counts else None
     except Exception as e:  # noqa: BLE001  (record it: it is a result)
@@ -315,6 +321,11 @@ def run_case(case: dict, timeout: float) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(case["threads"]))
     env.setdefault("MKL_NUM_THREADS", str(case["threads"]))
+    # On a shared machine, OpenMP's default spin-waiting lets an idle worker thread hold
+    # the core its busy sibling needs, and a case with many parallel regions then loses
+    # most of its time to it. Waiting passively makes each side's step time follow the
+    # CPU it actually gets. Same setting for both sides.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("PYTHONWARNINGS", "ignore")
     cmd = [sys.executable, "-m", "eval.bench_train_step", "--worker", json.dumps(case)]
     print(f"== {case['side']} S={case['S']} P={case['P']}", file=sys.stderr, flush=True)
@@ -444,6 +455,17 @@ def main() -> None:
             f"{_gib(theirs) if theirs else 'skipped'} | {_gib(ours)} | "
             f"{_ratio(theirs.get('peak_rss_gib'), ours.get('peak_rss_gib'))} | {n} |"
         )
+    print()
+    print("Process CPU seconds per step, all threads (median; robust to other load at 1 thread)")
+    print()
+    print("| S | speculators CPU (s) | ours CPU (s) | ratio |")
+    print("|---:|---:|---:|---:|")
+    for S, theirs, ours in main_rows:
+        theirs_cpu, ours_cpu = (theirs or {}).get("median_cpu_s"), ours.get("median_cpu_s")
+        print(
+            f"| {S} | {'—' if theirs_cpu is None else f'{theirs_cpu:.2f}'} | "
+            f"{'—' if ours_cpu is None else f'{ours_cpu:.2f}'} | {_ratio(theirs_cpu, ours_cpu)} |"
+        )
     if curve_rows:
         print()
         print(f"Ours, S={curve_S}: step time and memory vs sequence partitions")
@@ -461,6 +483,13 @@ def main() -> None:
         print(
             f"| {args.long_seq_len} | {args.long_partitions} | {_s(long_row)} | {_gib(long_row)} |"
         )
+    loads = [
+        f"{r['side']} S={r['S']} P={r['P']}: {r['load_avg_1min']:.1f}"
+        for r in cache.values()
+        if r.get("load_avg_1min") is not None
+    ]
+    print()
+    print(f"1-min load average after each case ({os.cpu_count()} CPUs): " + "; ".join(loads))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

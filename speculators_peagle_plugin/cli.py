@@ -260,3 +260,19 @@ def eval_command(ks: str, no_baseline: bool, **options) -> None:
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 
+
+@main.command()
+@click.option("--run-dir", help="Where everything goes; rerunning resumes it "
+              "[default: runs/demo, runs/demo-quick with --quick].")  # fmt: skip
+@click.option("--config", "train_config", type=click.Path(dir_okay=False),
+              help="Training YAML [default: configs/demo_smollm2.yaml].")  # fmt: skip
+@click.option("--quick", is_flag=True, help="CI-sized run: 6 prompts, 2 steps, a short eval.")
+def demo(run_dir: str | None, train_config: str | None, quick: bool) -> None:
+    """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
+    from .demo import DemoConfig, quick_config, run_demo
+
+    values = {k: v for k, v in (("run_dir", run_dir), ("train_config", train_config)) if v}
+    try:
+        run_demo(quick_config(**values) if quick else DemoConfig(**values), echo=click.echo)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None

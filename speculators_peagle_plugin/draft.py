@@ -20,9 +20,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
-    apply_rotary_pos_emb,
+    LlamaRMSNorm,
 )
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3RMSNorm,
+)
 
 from .attention import PeagleMask, peagle_attention, resolve_attention_impl
 from .masks import document_ids_from_lengths
@@ -34,6 +38,74 @@ __all__ = [
     "_PeagleDraftMixin",
     "_PeagleVanillaLayerMixin",
 ]
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * x * rsqrt(mean(x**2, -1) + eps)`` with a hand-written backward.
+
+    transformers' RMSNorm is five elementwise ops whose autograd graph takes about
+    twice the memory passes; this is the same formula (float32 in, float32 math),
+    in three passes forward and five backward, saving ``x`` and the ``[..., 1]`` scale.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        width = x.shape[-1]
+        r = torch.rsqrt(torch.einsum("...i,...i->...", x, x).div_(width).add_(eps)).unsqueeze(-1)
+        ctx.save_for_backward(x, r, weight)
+        return (x * r).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, r, weight = ctx.saved_tensors
+        width = x.shape[-1]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:  # sum over rows of grad_y * x * r
+            grad_w = torch.mv((grad_y * x).reshape(-1, width).T, r.reshape(-1))
+        if ctx.needs_input_grad[0]:
+            # d/dx of w x r: r (u - x r**2 (u . x) / width), u = grad_y * w
+            u = grad_y * weight
+            c = torch.einsum("...i,...i->...", u, x).unsqueeze(-1).mul_(r.pow(3)).div_(width)
+            grad_x = torch.addcmul(u.mul_(r), x, c, value=-1)
+        return grad_x, grad_w, None
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; transformers' llama / qwen3 RMSNorm on float32 runs fused (same math)."""
+    if type(norm) in (LlamaRMSNorm, Qwen3RMSNorm) and x.dtype == norm.weight.dtype == torch.float32:
+        return _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """transformers' ``x * cos + rotate_half(x) * sin`` in place-updated halves.
+
+    Same arithmetic, no ``rotate_half`` copy; the backward needs only ``cos, sin``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.saved_tensors
+        half = grad_out.shape[-1] // 2
+        grad_x = grad_out * cos
+        grad_x[..., :half].addcmul_(grad_out[..., half:], sin[..., half:])
+        grad_x[..., half:].addcmul_(grad_out[..., :half], sin[..., :half], value=-1)
+        return grad_x, None, None
+
+
+def _apply_rotary(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos, sin: ``[1, N, D]``)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _RotaryFunction.apply(q, cos, sin), _RotaryFunction.apply(k, cos, sin)
 
 
 class _PeagleAttentionMixin:
@@ -65,9 +137,9 @@ class _PeagleAttentionMixin:
         k = self.k_proj(combined_states).view(shape)
         v = self.v_proj(combined_states).view(shape).transpose(1, 2)
         if hasattr(self, "q_norm"):  # qwen3 normalises per head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = _apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, heads, N, D]
         return self.o_proj(out.transpose(1, 2).reshape(*combined_states.shape[:-1], -1))
 
@@ -91,14 +163,14 @@ class _PeagleDecoderLayerMixin:
             hidden_states: ``[1, N, H]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
         """
         residual = hidden_states
-        hidden = self.hidden_norm(hidden_states)
+        hidden = _rms_norm(self.hidden_norm, hidden_states)
         if self.norm_before_residual:
             residual = hidden
-        combined = torch.cat([self.input_layernorm(input_embeds), hidden], dim=-1)
+        combined = torch.cat([_rms_norm(self.input_layernorm, input_embeds), hidden], dim=-1)
         out = residual + self.self_attn.forward_peagle(
             combined, position_ids, block_mask, position_embeddings=position_embeddings
         )
-        return out + self.mlp(self.post_attention_layernorm(out))
+        return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
 
 class _PeagleVanillaLayerMixin:
@@ -114,12 +186,12 @@ class _PeagleVanillaLayerMixin:
     ) -> torch.Tensor:
         """Standard pre-norm block over ``[1, N, H]`` with the COD mask."""
         out = hidden_states + self.self_attn.forward_peagle(
-            self.input_layernorm(hidden_states),
+            _rms_norm(self.input_layernorm, hidden_states),
             position_ids,
             block_mask,
             position_embeddings=position_embeddings,
         )
-        return out + self.mlp(self.post_attention_layernorm(out))
+        return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
 
 class _PeagleDraftMixin:
@@ -211,11 +283,11 @@ class _PeagleDraftMixin:
                 (*args, position_ids, block_mask[i]),
                 {"position_embeddings": rope},
             )
-        return self.norm(hidden) if self.config.norm_output else hidden
+        return _rms_norm(self.norm, hidden) if self.config.norm_output else hidden
 
     def lm_head_inputs(self, hidden: torch.Tensor) -> torch.Tensor:
         """What enters ``lm_head`` for :meth:`forward_peagle` rows (``norm`` unless applied)."""
-        return hidden if self.config.norm_output else self.norm(hidden)
+        return hidden if self.config.norm_output else _rms_norm(self.norm, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of :meth:`forward_peagle` rows: ``[..., H] -> [..., V_d]``."""

@@ -1,16 +1,19 @@
 """Fused ``lm_head`` + KL(target || draft), row chunk by row chunk.
 
 Legend: ``n`` = charged rows, ``m`` = distinct target positions, ``H`` = draft
-hidden size, ``V_d`` = draft vocabulary.
+hidden size, ``V_d`` = draft vocabulary, ``z`` = draft logits of a row, ``p`` = its
+target distribution.
 
 Why our own: the plain path (``lm_head`` -> ``log_softmax`` -> KL -> autograd) keeps
 several ``[n, V_d]`` float tensors alive until backward; at 8K tokens and K = 8
 that is ~1 GB each. The loss is a sum over rows, so its gradient with respect to
-the logits is known in the forward, ``softmax(z) - p_target`` per row (the KL's
-``d/dz`` when ``p_target`` sums to one). Each chunk therefore turns straight into
-``grad_hidden = g @ W`` and ``grad_W += g.T @ hidden`` and is dropped: peak extra
-memory is one ``[chunk, V_d]`` block, and the backward is a scale by the
-incoming scalar gradient.
+the logits is known in the forward, ``sum(p) * softmax(z) - p`` per row. Each chunk
+therefore turns straight into ``grad_hidden = g @ W`` and ``grad_W += g.T @ hidden``
+and is dropped: peak extra memory is two reused ``[chunk, V_d]`` buffers, and the
+backward is a scale by the incoming scalar gradient.
+
+Per row, ``KL = sum p log p - p . z + sum(p) * lse(z)``: the first term is computed
+once per distinct target position, so no ``[chunk, V_d]`` log-softmax is formed.
 """
 
 from __future__ import annotations
@@ -22,27 +25,42 @@ CHUNK_ROWS = 1024
 
 class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target_logp, target_argmax, target_rows, with_grad):
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        n = hidden.shape[0]
+    def forward(ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad):
+        dtype = target_p.dtype
+        n, vocab = hidden.shape[0], weight.shape[0]
         kl = hidden.new_zeros(n, dtype=dtype)
         hits = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         need_h = with_grad and ctx.needs_input_grad[0]
         need_w = with_grad and ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
+        # Two [chunk, V_d] buffers reused by every chunk: a fresh tensor this size is
+        # a fresh mmap, and its page faults cost as much as the arithmetic on it.
+        rows_max = min(n, CHUNK_ROWS)
+        z_buf = hidden.new_empty(rows_max, vocab, dtype=dtype)
+        p_buf = target_p.new_empty(rows_max, vocab)
         for s in range(0, n, CHUNK_ROWS):
             h = hidden[s : s + CHUNK_ROWS]
             rows = target_rows[s : s + CHUNK_ROWS]
-            log_q = torch.log_softmax((h @ weight.T).to(dtype), dim=-1)  # [c, V_d]
-            logp = target_logp[rows]
-            p = logp.exp()
-            kl[s : s + CHUNK_ROWS] = (p * (logp - log_q)).sum(-1)
-            hits[s : s + CHUNK_ROWS] = log_q.argmax(-1) == target_argmax[rows]
+            c = h.shape[0]
+            z = z_buf[:c]  # draft logits [c, V_d]
+            if h.dtype == dtype:
+                torch.mm(h, weight.T, out=z)
+            else:
+                z.copy_(h @ weight.T)
+            p = torch.index_select(target_p, 0, rows, out=p_buf[:c])
+            neg_entropy, p_sum = target_stats[rows].unbind(-1)
+            z_max, z_argmax = z.max(-1)
+            hits[s : s + CHUNK_ROWS] = z_argmax == target_argmax[rows]
+            p_dot_z = torch.einsum("ij,ij->i", p, z)
+            exp_sum = z.sub_(z_max.unsqueeze(-1)).exp_().sum(-1)  # z now holds exp(z - max)
+            # KL = sum_v p (log p - z + lse) with lse = max + log(sum exp(z - max))
+            kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * (z_max + exp_sum.log())
             if need_h or need_w:
-                g = log_q.exp_().sub_(p).to(hidden.dtype)  # d KL / d logits
+                # d KL / d z = p_sum * softmax(z) - p
+                g = z.mul_((p_sum / exp_sum).unsqueeze(-1)).sub_(p).to(hidden.dtype)
                 if need_h:
-                    grad_h[s : s + CHUNK_ROWS] = g @ weight
+                    torch.mm(g, weight, out=grad_h[s : s + CHUNK_ROWS])
                 if need_w:
                     grad_w.addmm_(g.T, h)
         ctx.save_for_backward(grad_h, grad_w)
@@ -56,6 +74,7 @@ class _FusedLinearKL(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h * scale,
             None if grad_w is None else grad_w * scale,
+            None,
             None,
             None,
             None,
@@ -83,7 +102,22 @@ def fused_linear_kl(
     """
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.no_grad():
-        target_logp = torch.log_softmax(target_logits.to(dtype), dim=-1)
-        target_argmax = target_logp.argmax(-1)
+        # Per distinct target row, once: p, sum p log p and sum p (1 up to rounding),
+        # with log p = t - lse(t) so no [m, V_d] log-softmax is kept.
+        target_p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
+        target_stats = target_p.new_empty(target_logits.shape[0], 2)
+        for s in range(0, target_logits.shape[0], CHUNK_ROWS):
+            t = target_logits[s : s + CHUNK_ROWS].to(dtype)
+            t_max = t.amax(-1, keepdim=True)
+            p = torch.sub(t, t_max, out=target_p[s : s + CHUNK_ROWS]).exp_()
+            exp_sum = p.sum(-1, keepdim=True)
+            p.div_(exp_sum)
+            p_sum = p.sum(-1)
+            lse = (t_max + exp_sum.log()).squeeze(-1)
+            target_stats[s : s + CHUNK_ROWS, 0] = torch.einsum("ij,ij->i", p, t) - lse * p_sum
+            target_stats[s : s + CHUNK_ROWS, 1] = p_sum
+        target_argmax = target_logits.argmax(-1)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedLinearKL.apply(hidden, weight, target_logp, target_argmax, target_rows, with_grad)
+    return _FusedLinearKL.apply(
+        hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad
+    )

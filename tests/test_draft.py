@@ -10,9 +10,11 @@ from speculators.model import SpeculatorModel
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
 from test_trainer import packed_batch, trainer
 from tiny import MASK_TOKEN, tiny_config, tiny_draft, tiny_target
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from speculators_peagle_plugin import attention
-from speculators_peagle_plugin.draft import PEagleDraftModel
+from speculators_peagle_plugin import attention, generate_cod_sample_indices
+from speculators_peagle_plugin.draft import PEagleDraftModel, _apply_rotary, _rms_norm
 from speculators_peagle_plugin.loss import fused_linear_kl
 from speculators_peagle_plugin.trainer import _kl_div_loss
 
@@ -107,6 +109,87 @@ def test_compile_support_needs_cuda_and_head_dim_16():
     assert not attention._peagle_compile_supported(t, t, t)
 
 
+# ------------------------------------------------- block-sparse CPU attention vs dense
+
+
+def random_cod_elements(seed, length=71, num_depths=5, drop_context=False):
+    """A COD sample of a ragged packed row (several documents, padding); optionally
+    with random elements removed, so some rows lose their own anchor (an empty
+    context band under a short window) and some rollouts have gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    used = length - int(torch.randint(0, 9, (1,), generator=gen))
+    cuts = sorted(torch.randperm(used - 2, generator=gen)[:3].add(1).tolist())
+    doc = torch.full((length,), -1, dtype=torch.long)
+    for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, used], strict=True)):
+        doc[s:e] = i
+    loss_mask = (torch.rand(length, generator=gen) < 0.85).long()
+    anchor, depth = generate_cod_sample_indices(
+        length, loss_mask, num_depths, 0.9, 0.4, document_ids=doc, generator=gen
+    )
+    if drop_context:  # also leaves gaps in rollouts
+        keep = torch.rand(anchor.shape, generator=gen) < torch.where(depth == 0, 0.6, 0.8)
+        anchor, depth = anchor[keep], depth[keep]
+    return anchor, depth, doc
+
+
+def dense_attention(q, k, v, allowed, scale):
+    """float64 oracle: softmax over the dense ``[N, N]`` mask, rows that see nothing -> 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num() @ v
+
+
+@pytest.mark.parametrize("seed,heads", [(0, (4, 2)), (1, (3, 3)), (2, (6, 2)), (3, (4, 1))])
+@pytest.mark.parametrize("window", [None, 2, 5, 16])
+@pytest.mark.parametrize("band_kernel", ["cpu_flash", "matmul"])  # matmul: other devices
+def test_block_sparse_attention_matches_dense_float64(
+    monkeypatch, seed, heads, window, band_kernel
+):
+    monkeypatch.setattr(attention, "CHUNK_ANCHORS", 8)  # many chunks, ragged ones too
+    if band_kernel == "matmul":
+        monkeypatch.setattr(attention, "_cpu_flash", lambda t: False)
+    anchor, depth, doc = random_cod_elements(seed, drop_context=seed % 2 == 1)
+    mask = attention.PeagleMask(anchor, depth, doc, window, "chunked")
+    n = anchor.shape[0]
+    idx = torch.arange(n)
+    allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
+    assert len(mask.chunks) > 3
+    gen = torch.Generator().manual_seed(100 + seed)
+    n_q, n_kv = heads
+
+    def projected(h):  # the attention module's layout: [1, N, h, D] viewed as [1, h, N, D]
+        x = torch.randn(1, n, h, 16, generator=gen, dtype=torch.float64)
+        return x.transpose(1, 2).requires_grad_()
+
+    q, k, v = projected(n_q), projected(n_kv), projected(n_kv)
+    grad_out = torch.randn(1, n_q, n, 16, generator=gen, dtype=torch.float64)
+    got = attention.peagle_attention(q, k, v, mask, 0.3)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    want = dense_attention(q, k, v, allowed, 0.3)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    for name, a, b in zip("qkv", got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    if seed % 2 == 1:  # the dropped elements really produced the hard rows
+        deep_rows_missing_depth_1 = [
+            ~c.chain_ok[depth[c.rows] >= 1, 0] for c in mask.chunks if c.chain_ok is not None
+        ]
+        assert bool(torch.cat(deep_rows_missing_depth_1).any())
+        if window == 2:  # deep rows' bands hold only their own anchor, often dropped
+            assert any(c.no_band is not None for c in mask.chunks)
+
+
+def test_block_sparse_attention_skips_padding_and_empty_rows():
+    anchor, depth, doc = random_cod_elements(5, drop_context=True)
+    mask = attention.PeagleMask(anchor, depth, doc, None, "chunked")
+    idx = torch.arange(anchor.shape[0])
+    sees = mask.mask_mod(None, None, idx[:, None], idx[None, :]).any(-1)
+    rows = torch.cat([c.rows for c in mask.chunks])
+    assert rows.unique().numel() == rows.numel()  # each row in one chunk
+    assert torch.equal(rows.sort().values, torch.nonzero(sees).squeeze(1))
+
+
 @pytest.mark.parametrize("weight_grad", [True, False])
 def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad):
     from speculators_peagle_plugin import loss
@@ -130,6 +213,57 @@ def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad)
     if weight_grad:
         torch.testing.assert_close(got[1], weight.grad, rtol=1e-10, atol=1e-14)
     assert torch.equal(hits, logits.argmax(-1) == targets[rows].argmax(-1))
+
+
+# ------------------------------------------------------ fused norm and rotary helpers
+
+
+@pytest.mark.parametrize("norm_cls", [LlamaRMSNorm, Qwen3RMSNorm])
+@pytest.mark.parametrize("seed", range(2))
+def test_fused_rms_norm_matches_transformers_forward_and_grads(norm_cls, seed):
+    gen = torch.Generator().manual_seed(seed)
+    norm = norm_cls(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(2, 37, 48, generator=gen, requires_grad=True)
+    grad_y = torch.randn(2, 37, 48, generator=gen)
+    got = _rms_norm(norm, x)
+    got_grads = torch.autograd.grad(got, (x, norm.weight), grad_y)
+    want = norm(x)  # transformers' own forward, float32
+    want_grads = torch.autograd.grad(want, (x, norm.weight), grad_y)
+    assert got.grad_fn is not None and "RMSNorm" in type(got.grad_fn).__name__
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the same formula in float64, against autograd through the plain expression
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    fused = type(got.grad_fn)._forward_cls.apply(x64, w64, 1e-5)
+    plain = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    grads = [torch.autograd.grad(y, (x64, w64), grad_y.double()) for y in (fused, plain)]
+    torch.testing.assert_close(fused, plain, rtol=1e-13, atol=1e-14)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_rotary_matches_transformers_forward_and_grads(dtype):
+    gen = torch.Generator().manual_seed(3)
+    # the attention module's layouts: heads-strided q, k; [1, N, D] cos / sin
+    q = torch.randn(1, 29, 4, 16, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 29, 2, 16, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
+    angle = torch.rand(1, 29, 8, generator=gen, dtype=dtype) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    grads = [torch.randn(t.shape, generator=gen, dtype=dtype) for t in (q, k)]
+    got = _apply_rotary(q, k, cos, sin)
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else {}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    got_grads = torch.autograd.grad(got, (q, k), grads)
+    want_grads = torch.autograd.grad(want, (q, k), grads)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.cuda
