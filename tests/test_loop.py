@@ -12,11 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny import tiny_target, tiny_tokenizer
+from tiny import tiny_tokenizer, tiny_workdir
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.config import TrainConfig
-from speculators_peagle_plugin.data import DataGenConfig, PackedBatches, generate_data
+from speculators_peagle_plugin.data import PackedBatches
 from speculators_peagle_plugin.loop import (
     CHECKPOINT_PREFIX,
     METRICS_FILE,
@@ -32,23 +32,7 @@ REPO = Path(__file__).parent.parent
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tiny target (with tokenizer and chat template) and 16 generated samples."""
-    root = tmp_path_factory.mktemp("loop")
-    target = tiny_target(root / "target")
-    tiny_tokenizer().save_pretrained(target)
-    gen = torch.Generator().manual_seed(0)
-    with open(root / "prompts.jsonl", "w") as fh:
-        for _ in range(16):
-            n = int(torch.randint(3, 12, (1,), generator=gen))
-            words = " ".join(f"w{int(i)}" for i in torch.randint(0, 80, (n,), generator=gen))
-            fh.write(json.dumps({"prompt": words}) + "\n")
-    generate_data(
-        DataGenConfig(
-            target=target, prompts=str(root / "prompts.jsonl"), output=str(root / "data"),
-            max_new_tokens=40, temperature=1.0, batch_size=8, target_layer_ids=(1, 2, 3),
-            draft_vocab_size=DRAFT_VOCAB,
-        )
-    )  # fmt: skip
-    return root
+    return tiny_workdir(tmp_path_factory.mktemp("loop"), DRAFT_VOCAB)
 
 
 def train_args(workdir, save, *extra):
@@ -105,6 +89,26 @@ def test_training_lowers_the_loss(workdir, tmp_path):
     assert code == 0, out
     losses = [json.loads(x)["loss"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def test_fc_init_last_aux_passes_the_deepest_aux_state_through(workdir, tmp_path):
+    def build(fc_init):
+        config = TrainConfig.from_sources(
+            None, verifier_name_or_path=str(workdir / "target"), data_path=str(workdir / "data"),
+            save_path=str(tmp_path), draft_vocab_size=DRAFT_VOCAB, fc_init=fc_init,
+        )  # fmt: skip
+        return build_training(config).draft
+
+    draft, random = build("last-aux"), build("random")
+    hidden = draft.fc.out_features
+    x = torch.randn(5, draft.fc.in_features, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(draft.fc(x), x[:, -hidden:], rtol=0, atol=0)
+    # only fc differs from the default build (same seed)
+    other = dict(random.named_parameters())
+    changed = [n for n, p in draft.named_parameters() if not torch.equal(p, other[n])]
+    assert changed == ["fc.weight"]
+    code, out = run_cli(train_args(workdir, tmp_path / "bad", "--fc-init", "middle"))
+    assert code != 0 and "--fc-init" in out and "last-aux" in out
 
 
 def run_subprocess(args, **kw):

@@ -103,3 +103,28 @@ def tiny_tokenizer(num_words=80, specials=("<|endoftext|>", "<|im_start|>", "<|i
     tok.add_special_tokens({"additional_special_tokens": list(specials[3:])})
     tok.chat_template = CHATML
     return tok
+
+
+def tiny_workdir(root, draft_vocab_size=40):
+    """``root/target`` (tiny target, tokenizer, chat template) and ``root/data``: 16 samples
+    of its own sampled replies to random prompts, in speculators' format. Returns ``root``."""
+    import json
+
+    from speculators_peagle_plugin.data import DataGenConfig, generate_data
+
+    target = tiny_target(root / "target")
+    tiny_tokenizer().save_pretrained(target)
+    gen = torch.Generator().manual_seed(0)
+    with open(root / "prompts.jsonl", "w") as fh:
+        for _ in range(16):
+            n = int(torch.randint(3, 12, (1,), generator=gen))
+            words = " ".join(f"w{int(i)}" for i in torch.randint(0, 80, (n,), generator=gen))
+            fh.write(json.dumps({"prompt": words}) + "\n")
+    generate_data(
+        DataGenConfig(
+            target=target, prompts=str(root / "prompts.jsonl"), output=str(root / "data"),
+            max_new_tokens=40, temperature=1.0, batch_size=8, target_layer_ids=(1, 2, 3),
+            draft_vocab_size=draft_vocab_size,
+        )
+    )  # fmt: skip
+    return root

