@@ -2,7 +2,7 @@
 
 Usage (after ``make demo`` has written ``runs/demo/data``)::
 
-    .venv/bin/python -m eval.recipe_heldout --name B --set fc_init=last-aux [--set epochs=8]
+    .venv/bin/python -m eval.recipe_heldout --name epochs8 --set epochs=8
 
 Trains ``configs/demo_smollm2.yaml`` with the ``--set`` overrides on the demo's data into
 ``OUT/NAME`` (reused if already trained), then measures per-depth accuracy on the target's

@@ -110,12 +110,6 @@ class TrainConfig:
     full_attention_indices: tuple[int, ...] = _opt((), "Draft layers that use full attention.")
     norm_before_residual: bool = _opt(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = _opt(False, "Train the token embedding too.")
-    fc_init: str = _opt(
-        "random",
-        "Initial fc: random (speculators'), or last-aux: the deepest aux state passed "
-        "through, so training starts from the target's own prediction at that layer.",
-        choices=("random", "last-aux"),
-    )
     num_depths: int = _opt(CODConfig.num_depths, "Parallel depths K (speculative tokens).")
     down_sample_ratio: float = _opt(CODConfig.down_sample_ratio, "COD decay ratio r.")
     down_sample_ratio_min: float = _opt(CODConfig.down_sample_ratio_min, "COD floor r_min.")

@@ -961,6 +961,7 @@ class PackedBatches:
         shuffle: bool = True,
         hidden_states_dtype: torch.dtype = torch.float32,
     ):
+        from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
 
         check_int_at_least("total_seq_len", total_seq_len, 1)
@@ -971,11 +972,15 @@ class PackedBatches:
         self.data = training_data
         self.total_seq_len = total_seq_len
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        # shift_batch (what `speculators train` applies for eagle3 and peagle): slot t
+        # carries (token t+1, aux states t) and is supervised by the target at t+1, as
+        # vLLM drafts: each sample loses its first token.
         self._collate = CollateFn(
             total_seq_len,
             training_data.hidden_size,
             num_target_layers=training_data.num_aux_layers,
             dtype=hidden_states_dtype,
+            preprocess=shift_batch,
         )
         self._cache: tuple[int, list[list[int]]] = (-1, [])
         self.num_rows = len(self.rows(0))

@@ -126,33 +126,7 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
         draft_attn_impl="sdpa",
     )
     draft.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
-    if config.fc_init == "last-aux":
-        init_fc_last_aux(draft)
     return draft
-
-
-def init_fc_last_aux(draft) -> None:
-    """Make ``fc`` pass the last aux hidden state through: ``fc(x) = x[..., -H:]``.
-
-    The last of ``target_layer_ids`` is the deepest (27 of SmolLM2's 30 by default). The
-    draft's residual stream then starts at that target state, which the
-    copied final norm and ``lm_head`` already read as a next-token guess (the target's
-    "logit lens" at that layer); training learns the correction instead of the whole map.
-    Raises ``ValueError`` if the draft's width differs from the target's (no identity).
-    """
-    fc = draft.fc
-    hidden = fc.out_features
-    n_aux = len(draft.config.eagle_aux_hidden_state_layer_ids)
-    if fc.in_features != n_aux * hidden:
-        raise ValueError(
-            f"--fc-init last-aux needs the draft hidden size ({hidden}) to equal the target's "
-            f"({fc.in_features // n_aux}); use --fc-init random."
-        )
-    with torch.no_grad():
-        fc.weight.zero_()
-        fc.weight[:, -hidden:].copy_(torch.eye(hidden, dtype=fc.weight.dtype))
-        if fc.bias is not None:
-            fc.bias.zero_()
 
 
 def build_peagle_trainer(draft, config, *, mask_token_id):

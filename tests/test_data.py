@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from datasets import Dataset, Features, Sequence, Value, load_from_disk
 from safetensors.torch import load_file, save_file
 from speculators.data_generation.offline import check_hidden_states
+from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import ArrowDataset, CollateFn
 from speculators.train.vocab_mapping import (
     build_vocab_mappings_from_distribution,
@@ -453,16 +454,20 @@ def hs_path(path, i):
 
 
 def expected_row(path, dataset, samples, seq_len):
-    """A packed row rebuilt by hand from the files (the oracle for PackedBatches)."""
+    """A packed row rebuilt by hand from the files (the oracle for PackedBatches).
+
+    Each sample is shifted first (speculators' ``shift_batch``): slot t holds token t+1,
+    aux states at t, the last state at t+1 and position t+1.
+    """
     ids, aux, last, mask, pos, docs, lengths = [], [], [], [], [], [], []
     for doc, i in enumerate(samples):
-        n = min(len(dataset[i]["input_ids"]), seq_len - len(ids))
+        n = min(len(dataset[i]["input_ids"]) - 1, seq_len - len(ids))
         hidden = load_file(hs_path(path, i))["hidden_states"].float()
-        ids += dataset[i]["input_ids"][:n].tolist()
-        mask += dataset[i]["loss_mask"][:n].tolist()
+        ids += dataset[i]["input_ids"][1 : n + 1].tolist()
+        mask += dataset[i]["loss_mask"][1 : n + 1].tolist()
         aux.append(hidden[:n, :-1].flatten(1))
-        last.append(hidden[:n, -1])
-        pos += list(range(n))
+        last.append(hidden[1 : n + 1, -1])
+        pos += list(range(1, n + 1))
         docs += [doc] * n
         lengths.append(n)
     pad = seq_len - len(ids)
@@ -731,9 +736,11 @@ def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path
     ref = build_vocab_mappings_from_distribution(freq, 16, VOCAB)
     assert torch.equal(d2t, ref[0]) and torch.equal(t2d, ref[1])
 
-    # Our packed rows are exactly speculators' own reader + collate over the same samples.
+    # Our packed rows are exactly speculators' own reader + collate over the same samples,
+    # shifted as `speculators train` shifts them for peagle (vLLM's drafting alignment).
     reader = ArrowDataset(max_len=64, datapath=out, on_missing="raise")
-    collate = CollateFn(64, HIDDEN, num_target_layers=3, dtype=torch.float32)
+    collate = CollateFn(64, HIDDEN, num_target_layers=3, dtype=torch.float32,
+                        preprocess=shift_batch)  # fmt: skip
     pb = PackedBatches(data, 64, seed=5)
     seen = []
     for step in range(len(pb)):
@@ -746,4 +753,12 @@ def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path
             assert torch.equal(got[key], ref_batch[key]), key
         assert torch.equal(got["loss_mask"], ref_batch["loss_mask"].long())
         assert got["hidden_states"].dtype == torch.float32
+        # slot t: token t+1 of its sample, aux states at t, the target's last state at t+1
+        first = samples[0]
+        tokens, states = reader[first]["input_ids"], reader[first]["hidden_states"]
+        n = len(tokens) - 1
+        assert torch.equal(got["input_ids"][0, :n], tokens[1:])
+        assert torch.equal(got["hidden_states"][0, :n], states[:-1].float())
+        last = reader[first]["verifier_last_hidden_states"][1:].float()
+        assert torch.equal(got["verifier_last_hidden_states"][0, :n], last)
     assert sorted(seen) == list(range(len(dataset)))

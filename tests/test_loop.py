@@ -91,26 +91,6 @@ def test_training_lowers_the_loss(workdir, tmp_path):
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
 
 
-def test_fc_init_last_aux_passes_the_deepest_aux_state_through(workdir, tmp_path):
-    def build(fc_init):
-        config = TrainConfig.from_sources(
-            None, verifier_name_or_path=str(workdir / "target"), data_path=str(workdir / "data"),
-            save_path=str(tmp_path), draft_vocab_size=DRAFT_VOCAB, fc_init=fc_init,
-        )  # fmt: skip
-        return build_training(config).draft
-
-    draft, random = build("last-aux"), build("random")
-    hidden = draft.fc.out_features
-    x = torch.randn(5, draft.fc.in_features, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(draft.fc(x), x[:, -hidden:], rtol=0, atol=0)
-    # only fc differs from the default build (same seed)
-    other = dict(random.named_parameters())
-    changed = [n for n, p in draft.named_parameters() if not torch.equal(p, other[n])]
-    assert changed == ["fc.weight"]
-    code, out = run_cli(train_args(workdir, tmp_path / "bad", "--fc-init", "middle"))
-    assert code != 0 and "--fc-init" in out and "last-aux" in out
-
-
 def run_subprocess(args, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
