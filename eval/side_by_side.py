@@ -234,7 +234,7 @@ def main() -> None:
     }
     (out / "side_by_side.json").write_text(json.dumps(summary, indent=1) + "\n")
     ours, theirs = results["ours"], results["theirs"]
-    print(f"\n{spec['steps']} optimizer steps each, {spec['threads']} threads; K={demo['k']}\n")
+    print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={demo['k']}\n")
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "

@@ -1,0 +1,253 @@
+"""Every command in the README runs, as written, on a tiny local target.
+
+The README's ```bash blocks are parsed into commands. ``make demo`` is the demo (its CLI
+command runs in ``test_quick_demo_end_to_end``) and ``make test`` is CI. Every other
+command runs here in README order: the README's paths are replaced by tiny ones, and the
+flags a tiny CPU run needs are appended (later flags override the YAML's and the
+README's: CPU, float32, 2 steps, a draft vocabulary and aux layers the tiny target has).
+A command added to the README without a runner here fails ``test_every_command_is_run``.
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tiny_vllm import tiny_vllm_target
+
+REPO = Path(__file__).parent.parent
+TARGET = "/models/Llama-3.1-8B-Instruct"
+CHECKPOINT = "ckpt/checkpoint-1000"
+TINY_TRAIN = ["--device", "cpu", "--dtype", "float32", "--max-steps", "2",
+              "--draft-vocab-size", "128", "--target-layer-ids", "1,2,3"]  # fmt: skip
+EXTRA = {  # the flags each README command gets here
+    "generate-data": ["--target-layer-ids", "1,2,3", "--max-new-tokens", "24"],
+    "train": TINY_TRAIN,
+    "torchrun": TINY_TRAIN,
+    "check": [],
+    "serve": ["--port", "{port}", "--max-model-len", "512", "--dtype", "float32",
+              "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
+    "eval": ["--max-new-tokens", "16", "--batch-size", "4", "--kv-cache-gb", "1",
+             "--in-process", "--out", "{tmp}/eval"],  # fmt: skip
+    "bench_sampler": ["--sizes", "512", "--repeats", "1"],
+    "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
+                         "--partition-curve-seq-len", "128", "--partitions", "2",
+                         "--long-seq-len", "0"],  # fmt: skip
+    "side_by_side": ["--steps", "2"],
+}
+SUBSTITUTE = {
+    '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
+    "--prompts chat": "--prompts chat[:2]",
+    "-k 2,4,8": "-k 2,8",
+    "--nproc_per_node 8": "--nproc_per_node 2",
+    "--draft-vocab-size 32000": "--draft-vocab-size 128",
+}
+
+
+def readme_commands() -> list[str]:
+    """The README's bash commands, continuation lines joined, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        block = block.replace("\\\n", " ")
+        for line in block.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def kind(command: str) -> str:
+    words = shlex.split(command)
+    if words[0] == "make":
+        return " ".join(words[:2])
+    if words[0].endswith("/vllm"):
+        return words[1]
+    if words[0].endswith("/torchrun"):
+        return "torchrun"
+    if words[1:2] == ["-m"]:
+        return words[2].rsplit(".", 1)[-1]
+    return words[1]
+
+
+def test_every_command_is_run():
+    kinds = [kind(c) for c in readme_commands()]
+    assert "make demo" == kinds[0] and "make test" in kinds
+    unknown = [k for k in kinds if k not in EXTRA and k not in ("make demo", "make test")]
+    assert not unknown, f"README commands with no runner in this test: {unknown}"
+    assert sorted(set(EXTRA)) == sorted(k for k in set(kinds) if k in EXTRA)
+
+
+def test_make_targets_are_the_documented_ones():
+    dry = subprocess.run(["make", "-n", "demo", "test"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert "speculators-peagle demo" in dry
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "make test" in ci  # .ci/run is the README's test command
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny vLLM-servable target as the README's target, and the README's prompts file."""
+    root = tmp_path_factory.mktemp("readme")
+    target = tiny_vllm_target(root / "target")
+    prompts = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]}
+               for i in range(12)]  # fmt: skip
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (root / "configs").symlink_to(REPO / "configs")  # the README runs from the repo root
+    return root, target
+
+
+def prepared(command: str, root: Path, target: str, **fill) -> list[str]:
+    for old, new in SUBSTITUTE.items():
+        command = command.replace(old, new)
+    bin_dir = f"{REPO / '.venv' / 'bin'}/"
+    command = command.replace(TARGET, target).replace(".venv/bin/", bin_dir)
+    words = shlex.split(command)
+    return words + [w.format(tmp=root, **fill) for w in EXTRA[kind(command)]]
+
+
+def run(words: list[str], root: Path, timeout: float = 900) -> str:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=str(REPO))  # fmt: skip
+    done = subprocess.run(words, cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"{shlex.join(words)}\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def commands_of(kinds: tuple[str, ...]) -> list[str]:
+    return [c for c in readme_commands() if kind(c) in kinds]
+
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    """The own-target section in order: generate-data, train, torchrun train."""
+    root, target = workspace
+    (gen,) = commands_of(("generate-data",))
+    run(prepared(gen, root, target), root)
+    assert (root / "data" / "state.json").is_file()
+    (train,) = commands_of(("train",))
+    run(prepared(train, root, target), root)
+    assert (root / "ckpt" / "checkpoint-2" / "model.safetensors").is_file()
+    # The README's checkpoint-1000 stands for the last one: make it that one.
+    (root / "ckpt" / "checkpoint-2").rename(root / CHECKPOINT)
+    return root, target
+
+
+def test_torchrun_command_trains_on_two_ranks(trained):
+    root, target = trained
+    (cmd,) = commands_of(("torchrun",))
+    words = prepared(cmd, root, target)
+    words[words.index("--save-path") + 1] = "ckpt-ddp/"
+    run(words, root)
+    metrics = [json.loads(line) for line in open(root / "ckpt-ddp" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_check_command_passes_the_trained_checkpoint(trained):
+    root, target = trained
+    (cmd,) = commands_of(("check",))
+    assert "OK: vLLM can serve" in run(prepared(cmd, root, target), root)
+
+
+def test_vllm_serve_command_drafts_in_parallel(trained):
+    root, target = trained
+    (cmd,) = commands_of(("serve",))
+    port = _free_port()
+    log = open(root / "serve.log", "w")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    server = subprocess.Popen(
+        prepared(cmd, root, target, port=port), cwd=root, env=env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (root / "serve.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "vllm serve did not come up in 600 s"
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps({"model": target, "prompt": "Count from 1 to 10.", "max_tokens": 24,
+                           "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+        request = urllib.request.Request(f"{base}/v1/completions", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        reply = json.loads(urllib.request.urlopen(request, timeout=300).read())
+        assert reply["usage"]["completion_tokens"] == 24
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", metrics, re.M)
+        assert drafts and float(drafts.group(1)) > 0, "the server ran no speculative step"
+        # the server took the README's config as given (the engine-level check is eval's)
+        assert "'parallel_drafting':True" in (root / "serve.log").read_text().replace(" ", "")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_eval_command_measures_acceptance(trained):
+    root, target = trained
+    (cmd,) = commands_of(("eval",))
+    run(prepared(cmd, root, target), root)
+    record = json.loads((root / "eval" / "record.json").read_text())
+    drafted = [r for r in record["runs"] if r["label"] == "checkpoint-1000"]
+    assert sorted({(r["prompt_set"], r["k"]) for r in drafted}) == [
+        ("chat[:2]", 2), ("chat[:2]", 8), ("humaneval[120:122]", 2), ("humaneval[120:122]", 8),
+    ]  # fmt: skip
+    assert all(1.0 <= r["acceptance_length"] <= r["k"] + 1 for r in drafted)
+    assert (root / "eval" / "acceptance.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["bench_sampler", "bench_train_step"])
+def test_benchmark_commands_run_shortened(name, tmp_path):
+    (cmd,) = commands_of((name,))
+    words = prepared(cmd, tmp_path, "")
+    words[words.index("-m") - 1] = sys.executable
+    out = run(words, REPO, timeout=1200)
+    assert "|" in out  # a table
+
+
+def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
+    """``make demo`` runs ``speculators-peagle demo``: here its CI-sized run, every stage for
+    real (SmolLM2 data, training, check, vLLM eval), then the side-by-side on its outputs."""
+    run_dir = tmp_path / "demo"
+    out = run([sys.executable, "-m", "speculators_peagle_plugin", "demo", "--quick",
+               "--run-dir", str(run_dir)], REPO, timeout=2400)  # fmt: skip
+    summary = json.loads((run_dir / "demo.json").read_text())
+    assert list(summary["stage_seconds"]) == [
+        "target", "prompts", "data", "train", "drafts", "check", "eval"
+    ]  # fmt: skip
+    record = json.loads(Path(summary["record"]).read_text())
+    assert {r["label"] for r in record["runs"]} == {"trained-draft", "untrained-draft", "no draft"}
+    assert f"run directory: {run_dir.resolve()}" in out
+    assert (run_dir / "trained-draft" / "model.safetensors").is_file()
+
+    (cmd,) = commands_of(("side_by_side",))
+    words = prepared(cmd, tmp_path, "")
+    words[words.index("-m") - 1] = sys.executable
+    run([*words, "--demo-dir", str(run_dir), "--out", str(tmp_path / "sbs")], REPO, timeout=2400)
+    result = json.loads((tmp_path / "sbs" / "side_by_side.json").read_text())["results"]
+    for side in ("ours", "theirs"):
+        assert result[side]["steps"] == 2 and result[side]["peak_rss_gib"] > 0
+        assert set(result[side]["acceptance"]) == set(summary["config"]["eval_prompts"])
