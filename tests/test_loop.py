@@ -175,7 +175,11 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
     initial = build_training(config_for(workdir, tmp_path / "init")).draft.state_dict()
     changed = 0
     for key, value in ddp.items():
-        torch.testing.assert_close(value, ref[key], rtol=1e-5, atol=1e-6, msg=key)
+        # AdamW's first step moves each weight by ~lr * g / (|g| + eps): where |g| is near
+        # eps, float32 summation order (all-reduce vs one process) shows up to ~1% of lr.
+        torch.testing.assert_close(
+            value, ref[key], rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
         changed += not torch.equal(value, initial[key])
     assert changed >= 3  # fc, layer weights, mask_hidden... moved
 

@@ -69,8 +69,8 @@ def kind(command: str) -> str:
     words = shlex.split(command)
     if words[0] == "make":
         return " ".join(words[:2])
-    if words[0].endswith("/vllm"):
-        return words[1]
+    if words[1] == "vllm":
+        return words[2]
     if words[0].endswith("/torchrun"):
         return "torchrun"
     if words[1:2] == ["-m"]:
@@ -198,11 +198,15 @@ def test_vllm_serve_command_drafts_in_parallel(trained):
         # the server took the README's config as given (the engine-level check is eval's)
         assert "'parallel_drafting':True" in (root / "serve.log").read_text().replace(" ", "")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(server.pid, sig)
+                server.wait(60)
+                break
+            except ProcessLookupError:  # already gone
+                break
+            except subprocess.TimeoutExpired:
+                continue
         log.close()
 
 
