@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -126,8 +127,6 @@ def train_theirs(spec: dict) -> dict:
     tmp = draft.with_name(f".{draft.name}.tmp")
     model.save_pretrained(tmp)
     if draft.exists():
-        import shutil
-
         shutil.rmtree(draft)
     os.replace(tmp, draft)
     return {"steps": total, "train_s": train_s, "losses": losses, "draft": str(draft)}
