@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -84,6 +83,7 @@ def train_theirs(spec: dict) -> dict:
     from speculators.losses import resolve_loss_config
     from torch import nn
 
+    from speculators_peagle_plugin.demo import save_atomically
     from speculators_peagle_plugin.loop import _scheduler, build_training, cod_generator
 
     config = _train_config(spec, "theirs")
@@ -124,11 +124,7 @@ def train_theirs(spec: dict) -> dict:
         print(f"  [theirs] step {step + 1}/{total} loss {losses[-1]:.4f}", file=sys.stderr)
     train_s = time.perf_counter() - began
     draft = Path(spec["out"]) / SIDES["theirs"]
-    tmp = draft.with_name(f".{draft.name}.tmp")
-    model.save_pretrained(tmp)
-    if draft.exists():
-        shutil.rmtree(draft)
-    os.replace(tmp, draft)
+    save_atomically(model, draft)
     return {"steps": total, "train_s": train_s, "losses": losses, "draft": str(draft)}
 
 

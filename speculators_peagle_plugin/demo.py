@@ -219,10 +219,14 @@ def save_untrained_draft(train_config, output: Path) -> None:
     """
     from .loop import build_training
 
-    setup = build_training(train_config)
+    save_atomically(build_training(train_config).draft, output)
+
+
+def save_atomically(model, output: Path) -> None:
+    """``model.save_pretrained(output)`` via a temporary sibling renamed into place."""
     tmp = output.with_name(f".{output.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    setup.draft.save_pretrained(tmp)
+    model.save_pretrained(tmp)
     shutil.rmtree(output, ignore_errors=True)
     os.replace(tmp, output)
 
