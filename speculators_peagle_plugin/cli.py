@@ -45,6 +45,15 @@ def _gen_help(text: str, name: str) -> str:
 @click.option("--temperature", type=float, help=_gen_help("0 = greedy.", "temperature"))
 @click.option("--top-p", type=float, help=_gen_help("Nucleus mass when sampling.", "top_p"))
 @click.option("--batch-size", type=int, help=_gen_help("Prompts generated together.", "batch_size"))
+@click.option("--num-samples", type=int,
+              help=_gen_help("Replies per prompt (> 1 needs --temperature > 0).",
+                             "num_samples"))  # fmt: skip
+@click.option("--backend", type=click.Choice(["transformers", "vllm"]),
+              help=_gen_help("What generates the replies (vllm: ~5x faster on CPU; hidden "
+                             "states always come from transformers).", "backend"))  # fmt: skip
+@click.option("--kv-cache-gb", type=int,
+              help=_gen_help("vLLM's CPU KV cache in GiB (vllm backend).",
+                             "kv_cache_gb"))  # fmt: skip
 @click.option("--target-layer-ids", metavar="IDS",
               help="Aux layer ids, e.g. 2,15,27 [default: 2,N//2,N-3].")  # fmt: skip
 @click.option("--draft-vocab-size", type=int,

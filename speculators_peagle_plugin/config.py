@@ -108,6 +108,12 @@ class TrainConfig:
         2048, "Sliding window of the draft layers (speculators' default); none = full attention."
     )
     full_attention_indices: tuple[int, ...] = _opt((), "Draft layers that use full attention.")
+    num_key_value_heads: int | None = _opt(
+        None,
+        "Key/value heads of the draft's attention (a divisor of its query heads); default: the "
+        "verifier's. The K-1 mask slots see the context only through these values, so a 1-layer "
+        "draft of a GQA target learns its later depths far better with more.",
+    )
     norm_before_residual: bool = _opt(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = _opt(False, "Train the token embedding too.")
     num_depths: int = _opt(CODConfig.num_depths, "Parallel depths K (speculative tokens).")
@@ -156,7 +162,10 @@ class TrainConfig:
         ):
             check_int_at_least(name, getattr(self, name), 1)
         check_int_at_least("sequence_partitions", self.sequence_partitions, 1)
-        for name, low in (("max_steps", 1), ("sliding_window", 1), ("scheduler_warmup_steps", 0)):
+        for name, low in (
+            ("max_steps", 1), ("sliding_window", 1), ("scheduler_warmup_steps", 0),
+            ("num_key_value_heads", 1),
+        ):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int_at_least(name, getattr(self, name), low)
         if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:

@@ -111,6 +111,15 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
         sliding_window=config.sliding_window or 2048,
         full_attention_indices=list(full),
     )
+    kv_heads = config.num_key_value_heads
+    if kv_heads is not None:
+        heads = layer_config.num_attention_heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_key_value_heads must divide the draft's {heads} attention heads, got "
+                f"{kv_heads}."
+            )
+        layer_config.num_key_value_heads = kv_heads
     draft = SpeculatorsPEagle.from_training_args.__func__(
         PEagleDraftModel,
         verifier_config=layer_config,

@@ -15,8 +15,11 @@ engine core in this process (``distributed_executor_backend="uni"``).
 A job: ``target`` (local dir), ``draft`` (P-EAGLE checkpoint dir or null for the no-draft
 baseline), ``num_speculative_tokens``, ``prompts`` (lists of token ids, chat template
 already applied), ``max_tokens``, ``batch_size`` (requests in flight), and optionally
-``ignore_eos``, ``dtype``, ``max_model_len``, ``seed``, ``enforce_eager`` and
-``speculative_overrides`` (merged into vLLM's speculative config). Decoding is greedy.
+``ignore_eos``, ``dtype``, ``max_model_len``, ``seed``, ``enforce_eager``,
+``speculative_overrides`` (merged into vLLM's speculative config), ``temperature``,
+``top_p`` and ``prefix_caching`` (default off). Decoding is greedy unless ``temperature``
+> 0 (generate-data's sampled replies; the engine's ``seed`` drives the sampling, since
+vLLM's CPU sampler has no per-request seed).
 With a draft the engine must really run parallel drafting (``speculative_config.
 parallel_drafting`` true on the running engine) or the job fails: vLLM drafts
 sequentially otherwise, and such figures would not measure P-EAGLE.
@@ -42,7 +45,7 @@ COUNTERS = {
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-    "enforce_eager", "speculative_overrides", "batch_size",
+    "enforce_eager", "speculative_overrides", "batch_size", "prefix_caching",
 )  # fmt: skip
 
 
@@ -109,9 +112,9 @@ class Worker:
             seed=job.get("seed", 0),
             enforce_eager=job.get("enforce_eager", True),
             max_num_seqs=job["batch_size"],
-            # Each request computes its own prefix: acceptance must not depend on which
-            # prompts shared cached blocks with earlier ones.
-            enable_prefix_caching=False,
+            # Off unless asked: acceptance must not depend on which prompts shared cached
+            # blocks with earlier ones. generate-data turns it on (several samples a prompt).
+            enable_prefix_caching=job.get("prefix_caching", False),
             disable_log_stats=False,
             **({"distributed_executor_backend": "uni"} if _in_process() else {}),
             **kwargs,
@@ -136,14 +139,17 @@ class Worker:
         return llm
 
     def run(self, job: dict) -> dict:
-        """Greedy-decode every prompt with ``batch_size`` requests in flight."""
+        """Decode every prompt (greedy by default) with ``batch_size`` requests in flight."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = self.engine(job)
         engine = llm.llm_engine
         params = SamplingParams(
-            temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False)
+            temperature=job.get("temperature", 0.0),
+            top_p=job.get("top_p", 1.0),
+            max_tokens=job["max_tokens"],
+            ignore_eos=job.get("ignore_eos", False),
         )
         has_draft = bool(job.get("draft"))
         first = snapshot(llm) if has_draft else None

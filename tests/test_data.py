@@ -33,6 +33,7 @@ from speculators_peagle_plugin.data import (
     DataError,
     DataGenConfig,
     PackedBatches,
+    capture_hidden_states,
     completion_tokens,
     generate_data,
     open_training_data,
@@ -239,6 +240,28 @@ def test_hidden_states_equal_an_independent_forward(generated, target_dir):
         assert not torch.allclose(pre_norm, out.hidden_states[-1][0], atol=1e-2), i
 
 
+def test_rows_sharing_a_prefix_get_the_states_of_their_own_full_forward(target_dir):
+    """The samples of one prompt share its forward (one KV cache, cropped back per row)."""
+    model = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    forwards = []
+    model.model.register_forward_pre_hook(lambda _m, _a, kw: forwards.append(1), with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    prefix = tokens(40)
+    rows = [prefix + tokens(5), prefix + tokens(1), prefix + tokens(12), tokens(30), tokens(9)]
+    states_of = data_mod._PrefixStates(model, LAYER_IDS)
+    for i, row in enumerate(rows):
+        got = states_of(row, rows[i + 1] if i + 1 < len(rows) else None)
+        with torch.no_grad():
+            expected = capture_hidden_states(model, torch.tensor(row), LAYER_IDS)
+        torch.testing.assert_close(got, expected)
+    # prefix once + 3 continuations + 2 unshared rows, + one reference forward per row
+    assert len(forwards) == 1 + 3 + 2 + len(rows)
+
+
 def test_completion_is_cut_after_the_first_eos():
     assert completion_tokens([5, 7, 2, 2, 2], [2]) == [5, 7, 2]
     assert completion_tokens([5, 9, 7, 0], [2, 9]) == [5, 9]
@@ -382,6 +405,9 @@ def no_template_target(tmp_path_factory):
         ("negative_temperature", "temperature must be >= 0"),
         ("zero_top_p", "top_p must be in (0, 1]"),
         ("zero_batch", "batch_size must be an integer >= 1"),
+        ("greedy_samples", "num_samples 2 needs temperature > 0"),
+        ("hot_vllm", "with --backend vllm it must be in [0, 2.0]"),
+        ("zero_kv_cache", "kv_cache_gb must be an integer >= 1"),
         ("no_chat_template", "has no chat template"),
     ],
 )
@@ -410,6 +436,9 @@ def test_generate_data_rejects_bad_input(
             "negative_temperature": ["--temperature", "-1"],
             "zero_top_p": ["--top-p", "0"],
             "zero_batch": ["--batch-size", "0"],
+            "greedy_samples": ["--num-samples", "2"],
+            "hot_vllm": ["--backend", "vllm", "--temperature", "3"],
+            "zero_kv_cache": ["--backend", "vllm", "--kv-cache-gb", "0"],
         }[case]
     result = CliRunner().invoke(main, [*gen_args(target, prompts, out), *extra])
     assert result.exit_code != 0

@@ -9,6 +9,7 @@ llama.cpp's own conventions, and a greedy reply. The pipeline's stage logic runs
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -435,3 +436,17 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--config", str(tmp_path / "none.yaml")])
     assert result.exit_code != 0
     assert "training config" in result.output and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sentence"),
+    [
+        ({"gen_backend": "tgi"}, "gen_backend must be one of transformers, vllm, got 'tgi'."),
+        ({"temperature": 0.0}, "temperature must be >= 0, and > 0 with num_samples > 1; got 0.0."),
+        ({"temperature": -1.0, "num_samples": 1}, "got -1.0."),
+        ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0."),
+    ],
+)
+def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
+    with pytest.raises(ValueError, match=re.escape(sentence)):
+        demo.DemoConfig(**overrides)

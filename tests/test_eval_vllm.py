@@ -16,6 +16,7 @@ from tiny_vllm import (
     LAYER_IDS,
     constant_draft,
     constant_target,
+    tiny_vllm_target,
     trained_target_and_draft,
 )
 from transformers import AutoTokenizer
@@ -299,3 +300,48 @@ def test_chat_template_is_applied(trained):
     (ids,) = render_prompts(AutoTokenizer.from_pretrained(target), load_prompt_set("chat[3:4]"))
     text = AutoTokenizer.from_pretrained(target).decode(ids)
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prompt(tmp_path):
+    """The vllm backend writes the rows the transformers backend writes (greedy, multi-turn);
+    --num-samples n gives n rows per prompt turn, each the same prompt and its own reply."""
+    from datasets import load_from_disk
+
+    target = tiny_vllm_target(tmp_path / "target", seed=5)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": "def add(a, b):"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                      {"role": "user", "content": "and again"}]},
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "count to three"}]},
+    ]  # fmt: skip
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def generate(name, *extra, target=target):
+        args = ["generate-data", "--target", target, "--prompts", str(prompts),
+                "--output", str(tmp_path / name), "--max-new-tokens", "12",
+                "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "64",
+                "--kv-cache-gb", "1", *extra]  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        data = load_from_disk(str(tmp_path / name))
+        return [(r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in data]
+
+    by_transformers = generate("hf", "--backend", "transformers")
+    assert len(by_transformers) == 4  # the second conversation has two user turns
+    assert generate("vllm", "--backend", "vllm") == by_transformers
+
+    # A target with small logits (near-uniform next-token distributions) to sample from.
+    flat = tiny_vllm_target(tmp_path / "flat", seed=5, scale=0.02)
+    by_transformers = generate("flat-hf", "--backend", "transformers", target=flat)
+    sampled = generate("sampled", "--backend", "vllm", "--num-samples", "3",
+                       "--temperature", "1.0", "--batch-size", "2", target=flat)  # fmt: skip
+    # three samples of the first prompt, then the second conversation's turns per sample, ...
+    firsts = [sampled[0], sampled[1], sampled[2]]
+    prompt_len = by_transformers[0][1].index(1)
+    for ids, mask in firsts:
+        assert ids[:prompt_len] == by_transformers[0][0][:prompt_len]
+        assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len)
+    assert len({tuple(ids) for ids, _ in firsts}) > 1, "three samples, one reply"
+    assert len(sampled) == 3 * len(by_transformers)

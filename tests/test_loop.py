@@ -216,6 +216,24 @@ def test_bad_inputs_fail_with_one_sentence_and_no_checkpoint(workdir, tmp_path, 
     assert "mask_token_id 5" in line and "ordinary vocabulary token" in line
 
 
+def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, tmp_path):
+    from speculators.model import SpeculatorModel
+
+    code, out = run_cli(train_args(workdir, tmp_path, "--max-steps", "1",
+                                   "--num-key-value-heads", "4"))  # fmt: skip
+    assert code == 0, out
+    final = tmp_path / f"{CHECKPOINT_PREFIX}1"
+    layer = json.loads((final / "config.json").read_text())["transformer_layer_config"]
+    assert layer["num_key_value_heads"] == 4 and layer["num_attention_heads"] == 4
+    weights = load_file(final / "model.safetensors")
+    k_proj = next(v for k, v in weights.items() if k.endswith("k_proj.weight"))
+    assert k_proj.shape[0] == 4 * layer["head_dim"]  # the verifier has 2 kv heads
+    loaded = SpeculatorModel.from_pretrained(final, verifier=str(workdir / "target"))
+    assert torch.equal(loaded.state_dict()["layers.0.self_attn.k_proj.weight"], k_proj)
+    line = refused(workdir, tmp_path / "bad", workdir / "data", "--num-key-value-heads", "3")
+    assert "num_key_value_heads must divide the draft's 4 attention heads, got 3" in line
+
+
 def test_a_verifier_of_another_hidden_size_is_refused(workdir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
