@@ -8,6 +8,7 @@ On-disk layout (speculators 0.9.0, DESIGN §4), one directory ``DIR``:
                                                       "token_ids": [seq]} for dataset row i
     DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
     DIR/generation_settings.json                     what generate-data was run with (this plugin)
+    DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
 
 Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
 ``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
