@@ -661,9 +661,10 @@ def _write_hidden_states(target: _Target, output: Path, layer_ids: tuple[int, ..
     with tqdm(
         total=len(dataset), initial=len(dataset) - len(todo), unit="sample", desc="Hidden states"
     ) as bar:
-        for n, i in enumerate(todo):
-            row = dataset[i]["input_ids"]
-            following = dataset[todo[n + 1]]["input_ids"] if n + 1 < len(todo) else None
+        rows = (dataset[i]["input_ids"] for i in todo)
+        following = next(rows, None)
+        for i in todo:
+            row, following = following, next(rows, None)  # the next row: a shared prefix?
             states = states_of(row, following)
             ids = torch.tensor(row, dtype=torch.long)
             tensors = {"hidden_states": states.cpu().contiguous(), "token_ids": ids}
