@@ -309,6 +309,7 @@ class _PrefixStates:
 
     def __init__(self, model, layer_ids: tuple[int, ...]):
         self.model, self.layer_ids = model, layer_ids
+        self.device = next(model.parameters()).device
         self.prefix: list[int] = []
         self.prefix_states = self.cache = None
 
@@ -316,7 +317,7 @@ class _PrefixStates:
     def __call__(self, ids: list[int], next_ids: list[int] | None) -> torch.Tensor:
         from transformers import DynamicCache
 
-        device = next(self.model.parameters()).device
+        device = self.device
         p = len(self.prefix)
         if not (p and len(ids) > p and ids[:p] == self.prefix):
             shared = 0 if next_ids is None else _shared_prefix(ids, next_ids)
