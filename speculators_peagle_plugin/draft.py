@@ -102,6 +102,20 @@ class _RotaryFunction(torch.autograd.Function):
         return grad_x, None, None
 
 
+def _expand_mask_slots(x: torch.Tensor, mask_slots: int) -> torch.Tensor:
+    """``[1, U, ...] -> [1, U - 1 + mask_slots, ...]``: the last row repeated ``mask_slots`` times.
+
+    The mask slots of a P-EAGLE sequence (every element at depth >= 1) all enter the
+    first layer with the same input, ``mask_token_id``'s embedding and
+    ``masked_projected_hidden``. Until RoPE makes them differ, whatever is computed
+    from that input is computed once and repeated here; autograd sums the copies'
+    gradients into the one row, which is the same gradient (expand's backward).
+    """
+    if mask_slots == 0:
+        return x
+    return torch.cat([x[:, :-1], x[:, -1:].expand(-1, mask_slots, *x.shape[2:])], dim=1)
+
+
 def _apply_rotary(q, k, cos, sin):
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos, sin: ``[1, N, D]``)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -118,11 +132,14 @@ class _PeagleAttentionMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask_slots: int = 0,
     ) -> torch.Tensor:
         """Attention over all COD depths in one pass.
 
         Args:
-            combined_states: ``[1, N, in]`` layer input.
+            combined_states: ``[1, N, in]`` layer input; with ``mask_slots = m > 0``,
+                ``[1, N - m + 1, in]`` whose last row is the one input of the
+                sequence's last ``m`` rows (projected once, see :func:`_expand_mask_slots`).
             position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``; they
                 enter through ``position_embeddings`` (RoPE cos/sin of these
                 positions, computed once per forward by the draft).
@@ -135,13 +152,14 @@ class _PeagleAttentionMixin:
         shape = (*combined_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(combined_states).view(shape)
         k = self.k_proj(combined_states).view(shape)
-        v = self.v_proj(combined_states).view(shape).transpose(1, 2)
+        v = self.v_proj(combined_states).view(shape)
         if hasattr(self, "q_norm"):  # qwen3 normalises per head before RoPE
             q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
+        q, k, v = (_expand_mask_slots(t, mask_slots).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
-        q, k = _apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = _apply_rotary(q, k, cos, sin)
         out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, heads, N, D]
-        return self.o_proj(out.transpose(1, 2).reshape(*combined_states.shape[:-1], -1))
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class _PeagleDecoderLayerMixin:
@@ -155,20 +173,28 @@ class _PeagleDecoderLayerMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask_slots: int = 0,
     ) -> torch.Tensor:
         """Same norms, residuals and MLP as speculators' first layer, COD attention.
 
         Args:
             input_embeds: ``[1, N, H]`` token embeddings (mask token at depth >= 1).
             hidden_states: ``[1, N, H]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
+            mask_slots: ``m > 0`` gives both inputs as ``[1, N - m + 1, H]``, the last row
+                standing for the sequence's last ``m`` rows (their norms and q/k/v
+                projections then run once). Returns ``[1, N, H]`` either way.
         """
         residual = hidden_states
         hidden = _rms_norm(self.hidden_norm, hidden_states)
         if self.norm_before_residual:
             residual = hidden
         combined = torch.cat([_rms_norm(self.input_layernorm, input_embeds), hidden], dim=-1)
-        out = residual + self.self_attn.forward_peagle(
-            combined, position_ids, block_mask, position_embeddings=position_embeddings
+        out = _expand_mask_slots(residual, mask_slots) + self.self_attn.forward_peagle(
+            combined,
+            position_ids,
+            block_mask,
+            position_embeddings=position_embeddings,
+            mask_slots=mask_slots,
         )
         return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
@@ -260,6 +286,7 @@ class _PeagleDraftMixin:
         sampled_projected_hidden: torch.Tensor,
         position_ids: torch.Tensor,
         block_mask: list[PeagleMask],
+        mask_slots: int = 0,
     ) -> torch.Tensor:
         """Single parallel-group forward over the flattened COD sequence.
 
@@ -269,19 +296,33 @@ class _PeagleDraftMixin:
                 :meth:`masked_projected_hidden` deeper.
             position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``.
             block_mask: per-layer masks from :meth:`build_peagle_block_mask`.
+            mask_slots: how many of the last rows are mask slots (depth >= 1, in
+                depth-major order all of them). Their inputs are identical, so the first
+                layer embeds, normalises and projects them once: the same result and
+                gradients, without ``m - 1`` rows of q/k/v projection. Row ``N - m``
+                is used for all ``m``; 0 (the default) treats every row as its own.
 
         Returns:
             ``[1, N, H]`` pre-logits states (after ``norm`` when ``config.norm_output``).
         """
-        embeds = self.embed_tokens(sampled_input_ids).to(sampled_projected_hidden.dtype)
+        n = sampled_input_ids.shape[1]
+        if (
+            isinstance(mask_slots, bool)
+            or not isinstance(mask_slots, int)
+            or not (0 <= mask_slots <= n)
+        ):
+            raise ValueError(f"mask_slots must be an integer in [0, {n}], got {mask_slots!r}.")
+        distinct = n - max(mask_slots - 1, 0)  # rows of distinct first-layer input
+        embeds = self.embed_tokens(sampled_input_ids[:, :distinct])
+        embeds = embeds.to(sampled_projected_hidden.dtype)
         rope = self.rotary_emb(embeds, position_ids)
-        hidden = sampled_projected_hidden
+        hidden = sampled_projected_hidden[:, :distinct]
         for i, layer in enumerate(self.layers):
             args = (embeds, hidden) if i == 0 else (hidden,)
             hidden = self._run_draft_layer(
                 layer.forward_peagle,
                 (*args, position_ids, block_mask[i]),
-                {"position_embeddings": rope},
+                {"position_embeddings": rope, **({"mask_slots": mask_slots} if i == 0 else {})},
             )
         return _rms_norm(self.norm, hidden) if self.config.norm_output else hidden
 

@@ -307,7 +307,11 @@ class PEagleTrainerModule(torch.nn.Module):
             anchor_pos, depth, lengths_from_document_ids(document_ids_row), seq_len
         )
         hidden = draft.forward_peagle(
-            sampled_ids[None], projected[None], orig_positions[None], masks
+            sampled_ids[None],
+            projected[None],
+            orig_positions[None],
+            masks,
+            mask_slots=depth.shape[0] - n0,
         )[0]
         rows = torch.nonzero(loss_positions).squeeze(1)
         # Target logits once per distinct position (elements of different depths share

@@ -14,7 +14,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from speculators_peagle_plugin import attention, generate_cod_sample_indices
-from speculators_peagle_plugin.draft import PEagleDraftModel, _apply_rotary, _rms_norm
+from speculators_peagle_plugin import draft as draft_module
+from speculators_peagle_plugin.draft import (
+    PEagleDraftModel,
+    _apply_rotary,
+    _rms_norm,
+    _RMSNormFunction,
+)
 from speculators_peagle_plugin.loss import fused_linear_kl
 from speculators_peagle_plugin.trainer import _kl_div_loss
 
@@ -178,6 +184,58 @@ def test_block_sparse_attention_matches_dense_float64(
         assert bool(torch.cat(deep_rows_missing_depth_1).any())
         if window == 2:  # deep rows' bands hold only their own anchor, often dropped
             assert any(c.no_band is not None for c in mask.chunks)
+
+
+@pytest.mark.parametrize("model_type,num_layers,seed", [
+    ("llama", 1, 0), ("llama", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 3),
+])  # fmt: skip
+def test_mask_slots_project_once_with_identical_output_and_gradients(
+    monkeypatch, model_type, num_layers, seed
+):
+    """Depth >= 1 rows share one first-layer input: with ``mask_slots`` the first layer's
+    q/k/v see one row for all of them, and outputs and every gradient are unchanged."""
+    # transformers' RMSNorm computes in float32 even for float64 input, which would put
+    # float32 rounding on the summed-vs-separate gradients; the fused norm is float64 here.
+    monkeypatch.setattr(
+        draft_module,
+        "_rms_norm",
+        lambda norm, x: _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon),
+    )
+    draft, _, _ = tiny_draft(seed, torch.float64, model_type=model_type, num_layers=num_layers,
+                             sliding_window=6)  # fmt: skip
+    anchor, depth, doc = random_cod_elements(seed, num_depths=4)
+    n, n0 = depth.shape[0], int((depth == 0).sum())
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.where(depth == 0, torch.randint(0, MASK_TOKEN, (n,), generator=gen), MASK_TOKEN)
+    aux = torch.randn(n0, draft.fc.in_features, generator=gen, dtype=torch.float64)
+    weight = torch.randn(n, 64, generator=gen, dtype=torch.float64)
+    masks = draft.build_peagle_block_mask(anchor, depth, torch.bincount(doc[doc >= 0]), len(doc))
+    rows_seen = []
+    draft.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda mod, args, out: rows_seen.append(args[0].shape[1])
+    )
+    results = {}
+    for slots in (0, n - n0):
+        draft.zero_grad()
+        projected = torch.cat([
+            draft.project_hidden_states(aux),
+            draft.masked_projected_hidden().expand(n - n0, -1),
+        ])  # fmt: skip
+        out = draft.forward_peagle(ids[None], projected[None], (anchor + depth)[None], masks,
+                                   mask_slots=slots)[0]  # fmt: skip
+        (out * weight).sum().backward()
+        grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+        results[slots] = out.detach(), grads
+    assert rows_seen == [n, n0 + 1]
+    (out0, grads0), (out1, grads1) = results.values()
+    torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12)
+    assert grads1.keys() == grads0.keys() and "mask_hidden" in grads0
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    for bad in (-1, n + 1, True, 1.0):
+        with pytest.raises(ValueError, match=r"mask_slots must be an integer in \[0, "):
+            draft.forward_peagle(ids[None], projected[None], (anchor + depth)[None], masks,
+                                 mask_slots=bad)  # fmt: skip
 
 
 def test_block_sparse_attention_skips_padding_and_empty_rows():
