@@ -9,8 +9,9 @@ Both sides start from ONE draft: :func:`~speculators_peagle_plugin.loop.build_tr
 on the demo's YAML builds it (layers, draft vocabulary, K, r, r_min, seed), and the
 speculators side copies its weights into ``speculators.models.peagle.core.PEagleDraftModel``
 (``load_state_dict(strict=True)``) with the same trainable parameters. Both then take the
-same packed rows in the same order, with the same AdamW, warmup schedule and gradient
-clipping, for the same number of optimizer steps:
+same packed rows in the same order, with the same AdamW, warmup schedule, gradient
+clipping and precision (the YAML's ``autocast``: forwards under ``torch.autocast``, as
+speculators' ``Trainer`` runs them), for the same number of optimizer steps:
 
 - ours: ``speculators_peagle_plugin.loop.train`` (the ``speculators-peagle train`` loop,
   sequence partitions and all, as configured in the YAML);
@@ -84,7 +85,12 @@ def train_theirs(spec: dict) -> dict:
     from torch import nn
 
     from speculators_peagle_plugin.demo import save_atomically
-    from speculators_peagle_plugin.loop import _scheduler, build_training, cod_generator
+    from speculators_peagle_plugin.loop import (
+        _scheduler,
+        autocast_context,
+        build_training,
+        cod_generator,
+    )
 
     config = _train_config(spec, "theirs")
     setup = build_training(config)  # data, vocab mapping, mask token, seeded draft, schedule
@@ -110,11 +116,12 @@ def train_theirs(spec: dict) -> dict:
         cod_seed = cod_generator(config.seed, step, 0, torch.device("cpu")).initial_seed()
         torch.manual_seed(int(cod_seed))
         optimizer.zero_grad(set_to_none=True)
-        _, loss, _ = model(
-            **batch, loss_config=loss_config, max_anchors=cod.max_anchors,
-            num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
-            down_sample_ratio_min=cod.down_sample_ratio_min,
-        )  # fmt: skip
+        with autocast_context(config, torch.device("cpu")):  # as speculators' Trainer does
+            _, loss, _ = model(
+                **batch, loss_config=loss_config, max_anchors=cod.max_anchors,
+                num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
+                down_sample_ratio_min=cod.down_sample_ratio_min,
+            )  # fmt: skip
         loss.backward()
         if config.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, config.max_grad_norm)

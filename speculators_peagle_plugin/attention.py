@@ -398,7 +398,19 @@ def _chunked_attention(q, k, v, mask: PeagleMask, scale) -> torch.Tensor:
 
 
 def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
-    """Attention of ``q [1, H, N, D]`` over ``k, v [1, Hkv, N, D]`` under ``mask``."""
+    """Attention of ``q [1, H, N, D]`` over ``k, v [1, Hkv, N, D]`` under ``mask``.
+
+    Under ``torch.autocast``, ``q, k, v`` are cast once and the kernels run with autocast
+    off (it would lower every ``einsum``, softmax statistics included): in the autocast
+    dtype on CUDA, as ``scaled_dot_product_attention`` would; in float32 on CPU, where the
+    flash kernel's bfloat16 backward is slower than its float32 one (0.50 vs 0.43 s per
+    demo step, eval/RESULTS.md).
+    """
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.float32 if device == "cpu" else torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
     if mask.impl == "flex":
         return _peagle_flex_attention(q, k, v, mask.block_mask, scale)
     return _chunked_attention(q, k, v, mask, scale)

@@ -137,6 +137,12 @@ class TrainConfig:
     seed: int = _opt(42, "Seed for initialisation, data order and COD sampling.")
     gradient_checkpointing: bool = _opt(False, "Recompute each draft layer in backward.")
     dtype: str = _opt("float32", "Training precision.", choices=("float32", "bfloat16", "float16"))
+    autocast: str = _opt(
+        "none",
+        "Mixed precision: forward matmuls in this dtype under torch.autocast, weights and "
+        "optimizer state in float32 (speculators' trainer autocasts to bfloat16).",
+        choices=("none", "bfloat16"),
+    )
     device: str = _opt("cpu", "cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
     fsdp: bool = _opt(False, "Shard the draft with FSDP2 under torchrun (large drafts).")
     no_resume_from_checkpoint: bool = _opt(
@@ -168,9 +174,20 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int_at_least(name, getattr(self, name), low)
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ValueError(
+                f"autocast {self.autocast} keeps float32 weights: it needs dtype float32, "
+                f"got {self.dtype}."
+            )
         if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:
             raise ValueError("lr and checkpoint_freq must be > 0 and weight_decay >= 0.")
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here
+
+    @property
+    def hidden_states_dtype(self) -> str:
+        """The batches' hidden states: the autocast dtype (all they meet first is ``fc`` and
+        the verifier head, linears that autocast would lower them for), else ``dtype``."""
+        return self.dtype if self.autocast == "none" else self.autocast
 
     @property
     def cod(self) -> CODConfig:

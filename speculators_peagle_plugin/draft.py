@@ -71,9 +71,13 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; transformers' llama / qwen3 RMSNorm on float32 runs fused (same math)."""
+    """``norm(x)``; transformers' llama / qwen3 RMSNorm on float32 runs fused (same math).
+
+    The fused function runs with autocast off: like transformers' norm, it stays float32.
+    """
     if type(norm) in (LlamaRMSNorm, Qwen3RMSNorm) and x.dtype == norm.weight.dtype == torch.float32:
-        return _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
+        with torch.autocast(x.device.type, enabled=False):
+            return _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
     return norm(x)
 
 

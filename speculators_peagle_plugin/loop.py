@@ -145,6 +145,16 @@ def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     }
 
 
+def autocast_context(config: TrainConfig, device: torch.device):
+    """``torch.autocast`` for a forward when ``config.autocast`` asks for mixed precision.
+
+    Only forwards run under it; backward follows the dtypes the forward recorded.
+    """
+    if config.autocast == "none":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
+
+
 def cod_generator(seed: int, step: int, rank: int, device: torch.device) -> torch.Generator:
     """The COD sampler's generator for one (step, rank): a pure function, for exact resume."""
     gen = torch.Generator(device=device)
@@ -186,7 +196,8 @@ def train_step(
     }
     for j, segment in enumerate(segments):
         with _sync_context(wrapped, config, world, last=j == len(segments) - 1):
-            out = wrapped(batch, segment)
+            with autocast_context(config, world.device):
+                out = wrapped(batch, segment)
             out["loss"].backward()
         metrics = out["metrics"]
         if metrics is not None:
@@ -489,7 +500,7 @@ def build_training(config: TrainConfig) -> TrainingSetup:
         seed=config.seed,
         rank=world.rank,
         world_size=world.size,
-        hidden_states_dtype=dtype,
+        hidden_states_dtype=getattr(torch, config.hidden_states_dtype),
     )
     if len(batches) == 0:
         raise ValueError(
@@ -531,7 +542,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
         _trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
     every = max(1, math.floor(config.checkpoint_freq * steps_per_epoch))
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.hidden_states_dtype)
     saved = source
     bar = tqdm(
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,

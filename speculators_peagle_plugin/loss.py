@@ -25,7 +25,9 @@ CHUNK_ROWS = 1024
 
 class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad):
+    def forward(
+        ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype
+    ):
         dtype = target_p.dtype
         n, vocab = hidden.shape[0], weight.shape[0]
         kl = hidden.new_zeros(n, dtype=dtype)
@@ -34,20 +36,24 @@ class _FusedLinearKL(torch.autograd.Function):
         need_w = with_grad and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
+        # The matmuls run in mm_dtype (lower under autocast); logits, softmax and the
+        # logit gradient stay in the float32 `dtype`, gradients in their tensors' dtypes.
+        w = weight.to(mm_dtype)
+        exact = hidden.dtype == mm_dtype == dtype  # out= matmuls, no casts
         # Two [chunk, V_d] buffers reused by every chunk: a fresh tensor this size is
         # a fresh mmap, and its page faults cost as much as the arithmetic on it.
         rows_max = min(n, CHUNK_ROWS)
         z_buf = hidden.new_empty(rows_max, vocab, dtype=dtype)
         p_buf = target_p.new_empty(rows_max, vocab)
         for s in range(0, n, CHUNK_ROWS):
-            h = hidden[s : s + CHUNK_ROWS]
+            h = hidden[s : s + CHUNK_ROWS].to(mm_dtype)
             rows = target_rows[s : s + CHUNK_ROWS]
             c = h.shape[0]
             z = z_buf[:c]  # draft logits [c, V_d]
-            if h.dtype == dtype:
-                torch.mm(h, weight.T, out=z)
+            if exact:
+                torch.mm(h, w.T, out=z)
             else:
-                z.copy_(h @ weight.T)
+                z.copy_(h @ w.T)
             p = torch.index_select(target_p, 0, rows, out=p_buf[:c])
             neg_entropy, p_sum = target_stats[rows].unbind(-1)
             z_max, z_argmax = z.max(-1)
@@ -58,11 +64,15 @@ class _FusedLinearKL(torch.autograd.Function):
             kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * (z_max + exp_sum.log())
             if need_h or need_w:
                 # d KL / d z = p_sum * softmax(z) - p
-                g = z.mul_((p_sum / exp_sum).unsqueeze(-1)).sub_(p).to(hidden.dtype)
-                if need_h:
-                    torch.mm(g, weight, out=grad_h[s : s + CHUNK_ROWS])
-                if need_w:
+                g = z.mul_((p_sum / exp_sum).unsqueeze(-1)).sub_(p).to(mm_dtype)
+                if need_h and exact:
+                    torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])
+                elif need_h:
+                    grad_h[s : s + CHUNK_ROWS] = g @ w
+                if need_w and exact:
                     grad_w.addmm_(g.T, h)
+                elif need_w:
+                    grad_w += g.T @ h
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(hits)
         return kl.sum(), hits
@@ -74,6 +84,7 @@ class _FusedLinearKL(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h * scale,
             None if grad_w is None else grad_w * scale,
+            None,
             None,
             None,
             None,
@@ -101,7 +112,8 @@ def fused_linear_kl(
         and ``[n]`` bool argmax agreement. Equals :func:`trainer._kl_div_loss` summed.
     """
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    with torch.no_grad():
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         # Per distinct target row, once: p, sum p log p and sum p (1 up to rounding),
         # with log p = t - lse(t) so no [m, V_d] log-softmax is kept.
         target_p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
@@ -118,6 +130,11 @@ def fused_linear_kl(
             target_stats[s : s + CHUNK_ROWS, 1] = p_sum
         target_argmax = target_logits.argmax(-1)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedLinearKL.apply(
-        hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad
-    )
+    device = hidden.device.type
+    # Under autocast the lm_head matmuls take its dtype, as nn.Linear's would; the rest of
+    # the function runs with autocast off (it would lower the float32 row dot products).
+    mm_dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+    with torch.autocast(device, enabled=False):
+        return _FusedLinearKL.apply(
+            hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype
+        )

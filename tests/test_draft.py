@@ -273,6 +273,61 @@ def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad)
     assert torch.equal(hits, logits.argmax(-1) == targets[rows].argmax(-1))
 
 
+def test_fused_linear_kl_under_autocast_runs_its_matmuls_in_bfloat16():
+    """Mixed precision: the lm_head products in bfloat16 (as nn.Linear's under autocast),
+    the softmax / KL in float32, float32 gradients; oracle: float64 on the same roundings."""
+    from speculators_peagle_plugin import loss
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(30, 64, generator=gen, requires_grad=True)
+    weight = (torch.randn(50, 64, generator=gen) / 4).requires_grad_()
+    targets = torch.randn(6, 50, generator=gen) * 3
+    rows = torch.randint(0, 6, (30,), generator=gen)
+
+    def bf16(t):  # a bfloat16 rounding, carried on in float64
+        return t.bfloat16().double()
+
+    hb, wb = bf16(hidden.detach()), bf16(weight.detach())
+    z = bf16(hb @ wb.T).requires_grad_()  # the bfloat16 logits, as the matmul returns them
+    want = _kl_div_loss(z, targets.double()[rows]).sum()
+    (g,) = torch.autograd.grad(want, z)
+    want_grad_h, want_grad_w = bf16(bf16(g) @ wb), bf16(g).T @ hb
+    with torch.no_grad():
+        plain = fused_linear_kl(hidden, weight, targets, rows)[0]  # float32 matmuls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kl_sum, _ = fused_linear_kl(hidden, weight, targets, rows)
+    kl_sum.backward()
+    assert kl_sum.dtype == hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(kl_sum.double(), want, rtol=2e-5, atol=0)
+    assert abs(float(plain) - float(want)) > 1e-4 * float(want)  # the check can tell
+    torch.testing.assert_close(hidden.grad.double(), want_grad_h, rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), want_grad_w, rtol=2e-2, atol=1e-4)
+    assert loss.CHUNK_ROWS >= 30  # one chunk: the weight gradient is one rounded product
+
+
+def test_under_autocast_attention_and_fused_norm_stay_float32_bit_for_bit():
+    """Autocast lowers every einsum / bmm; the COD attention and the fused norm opt out."""
+    anchor, depth, doc = random_cod_elements(5)
+    mask = attention.PeagleMask(anchor, depth, doc, None, "chunked")
+    gen = torch.Generator().manual_seed(6)
+    n = anchor.shape[0]
+    q, k, v = (
+        torch.randn(1, n, h, 64, generator=gen).transpose(1, 2).requires_grad_()
+        for h in (4, 2, 2)
+    )
+    norm = LlamaRMSNorm(64)
+    x = torch.randn(3, n, 64, generator=gen, requires_grad=True)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = attention.peagle_attention(q, k, v, mask, 0.125)
+            y = _rms_norm(norm, x)
+        grads = torch.autograd.grad((out.sum(), (y * y).sum()), (q, k, v, x))
+        results.append((out, y, *grads))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 # ------------------------------------------------------ fused norm and rotary helpers
 
 

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 from tiny import tiny_tokenizer, tiny_workdir
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.config import TrainConfig
@@ -23,6 +24,7 @@ from speculators_peagle_plugin.loop import (
     build_training,
     checkpoint_dirs,
     cod_generator,
+    train_step,
 )
 
 DRAFT_VOCAB = 40
@@ -214,6 +216,50 @@ def test_bad_inputs_fail_with_one_sentence_and_no_checkpoint(workdir, tmp_path, 
     assert hs.name in refused(workdir, save, spoil)
     line = refused(workdir, save, workdir / "data", "--mask-token-id", "5")
     assert "mask_token_id 5" in line and "ordinary vocabulary token" in line
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every aten matmul (after autocast has chosen it)."""
+
+    NAMES = ("aten.mm", "aten.addmm", "aten.bmm")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.NAMES:
+            self.seen.setdefault(name, set()).add(args[-2].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def one_step(workdir, save, **kw):
+    """A partitioned step's loss and gradients, and the matmul dtypes it used."""
+    config = config_for(workdir, save, sequence_partitions=2, **kw)
+    setup = build_training(config)
+    batch = setup.batches.batch(0, 0)
+    with _MatmulDtypes() as seen:
+        stats = train_step(setup.wrapped, setup.module, batch, config, setup.world, 0)
+    grads = {n: p.grad for n, p in setup.draft.named_parameters() if p.grad is not None}
+    assert all(p.dtype == torch.float32 for p in setup.draft.parameters())
+    return float(stats["loss_sum"] / stats["total_den"]), grads, seen.seen
+
+
+def test_autocast_bfloat16_keeps_float32_weights_and_tracks_the_float32_step(workdir, tmp_path):
+    loss32, grads32, seen32 = one_step(workdir, tmp_path / "a")
+    loss16, grads16, seen16 = one_step(workdir, tmp_path / "b", autocast="bfloat16")
+    assert seen32 == {"aten.mm": {torch.float32}, "aten.bmm": {torch.float32}}, seen32
+    # every projection, MLP and lm_head product in bfloat16; attention and norms in float32
+    assert seen16["aten.mm"] == {torch.bfloat16} and torch.float32 in seen16["aten.bmm"], seen16
+    assert loss16 != loss32 and abs(loss16 - loss32) < 0.01 * loss32
+    assert grads16.keys() == grads32.keys() and len(grads32) > 5
+    for name, g in grads16.items():
+        assert g.dtype == torch.float32, name
+        cosine = torch.nn.functional.cosine_similarity(g.flatten(), grads32[name].flatten(), 0)
+        assert cosine > 0.99, (name, float(cosine))
+    with pytest.raises(ValueError, match="autocast bfloat16 keeps float32 weights"):
+        config_for(workdir, tmp_path / "c", autocast="bfloat16", dtype="bfloat16")
 
 
 def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, tmp_path):

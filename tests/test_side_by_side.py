@@ -64,6 +64,23 @@ def test_partitioned_ours_matches_theirs_too(spec, tmp_path):
     )
 
 
+def test_both_sides_train_alike_under_autocast(spec, tmp_path):
+    """The YAML's mixed precision reaches both sides: their losses move off float32's
+    together (bfloat16 products of different shapes: close, not equal)."""
+    config = tmp_path / "autocast.yaml"
+    config.write_text(open(spec["config"]).read() + "autocast: bfloat16\n")
+    runs = {}
+    for name, cfg in (("float32", spec["config"]), ("bfloat16", str(config))):
+        each = dict(spec, config=cfg, out=str(tmp_path / name), steps=2)
+        runs[name] = [torch.tensor(side(each)["losses"])
+                      for side in (side_by_side.train_ours, side_by_side.train_theirs)]  # fmt: skip
+    (ours32, theirs32), (ours16, theirs16) = runs["float32"], runs["bfloat16"]
+    torch.testing.assert_close(ours16, theirs16, rtol=5e-3, atol=0)
+    for low, full in ((ours16, ours32), (theirs16, theirs32)):
+        assert not torch.equal(low, full)
+        torch.testing.assert_close(low, full, rtol=2e-2, atol=0)
+
+
 def test_no_finished_demo_is_one_sentence(tmp_path):
     with pytest.raises(SystemExit, match="run `make demo` first"):
         side_by_side._demo_inputs(tmp_path)
