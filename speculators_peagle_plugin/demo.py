@@ -195,6 +195,13 @@ def _command(args: list[str], echo: Callable[[str], None], stage: str) -> None:
         )
 
 
+def _cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX), per oneDNN."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def write_prompts(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path) -> int:
     """Write the training conversations as ``{"messages": [...]}`` rows; returns the count.
 
@@ -329,6 +336,7 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     stages.run("data", data_inputs, generate, lambda out: (data_dir / "state.json").is_file())
 
     train_dir = run_dir / "train"
+    native_bf16 = _cpu_has_bfloat16()
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,
@@ -336,11 +344,14 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
                 "--save-path", str(train_dir)]  # fmt: skip
         if config.max_steps is not None:
             args += ["--max-steps", str(config.max_steps)]
+        if not native_bf16:  # emulated bfloat16 matmuls are slower than float32 ones
+            args += ["--autocast", "none"]
         _command(args, echo, "train")
         return {"checkpoint": str(checkpoint_dirs(train_dir)[-1])}
 
     trained = stages.run(
         "train", {"config_sha256": _sha256(yaml_text.encode()), "max_steps": config.max_steps,
+                  "native_bf16": native_bf16,
                   "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())},
         train, lambda out: _has_weights(Path(out["checkpoint"])),
     )["checkpoint"]  # fmt: skip

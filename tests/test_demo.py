@@ -410,6 +410,21 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert sum("skipped" in line for line in lines) == 7
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_stays_on_only_where_the_cpu_has_native_bfloat16(
+    fake_pipeline, tmp_path, monkeypatch, native
+):
+    cli, _, yaml, _ = fake_pipeline
+    assert "autocast: bfloat16" in yaml.read_text()
+    monkeypatch.setattr(demo, "_cpu_has_bfloat16", lambda: native)
+    config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml))
+    demo.run_demo(config, echo=lambda line: None)
+    train = next(c for c in cli.commands if c[0] == "train")
+    assert ("--autocast" in train) is not native
+    if not native:
+        assert FakeCli._opt(train, "--autocast") == "none"
+
+
 def test_pipeline_resumes_after_a_failed_stage_and_reports_the_goal(fake_pipeline, tmp_path):
     cli, built, yaml, _ = fake_pipeline
     config = demo.DemoConfig(run_dir=str(tmp_path / "run"), train_config=str(yaml))
