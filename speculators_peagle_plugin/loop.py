@@ -437,6 +437,20 @@ def _scheduler(optimizer, config: TrainConfig, total_steps: int):
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
+ONEDNN_CACHE_CAPACITY = 128
+
+
+def _bound_onednn_cache() -> None:
+    """Cap oneDNN's primitive cache (unless the user set it), before its first matmul.
+
+    Every step's flattened COD sequence has its own length, so the matmuls meet new shapes
+    all run long, and oneDNN keeps a primitive per shape, up to 1024 of them by default.
+    bfloat16 primitives hold reordered weights: the demo's training reached 3.4 GiB RSS
+    (float32: 1.1). 128 holds a step's shapes several times over (eval/RESULTS.md).
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+
+
 def build_training(config: TrainConfig) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
@@ -447,6 +461,8 @@ def build_training(config: TrainConfig) -> TrainingSetup:
     from .data import PackedBatches, default_target_layer_ids, open_training_data
 
     world = _World.from_env(config.device)
+    if world.device.type == "cpu" and config.autocast != "none":
+        _bound_onednn_cache()
     algorithm = load_algorithm(config.algorithm)
     verifier = Path(config.verifier_name_or_path)
     if not (verifier / "config.json").exists():

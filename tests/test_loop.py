@@ -262,6 +262,18 @@ def test_autocast_bfloat16_keeps_float32_weights_and_tracks_the_float32_step(wor
         config_for(workdir, tmp_path / "c", autocast="bfloat16", dtype="bfloat16")
 
 
+def test_autocast_on_cpu_caps_onednn_primitive_cache_unless_set(workdir, tmp_path, monkeypatch):
+    key = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    monkeypatch.delenv(key, raising=False)
+    build_training(config_for(workdir, tmp_path / "a"))
+    assert key not in os.environ  # float32: oneDNN's default
+    build_training(config_for(workdir, tmp_path / "b", autocast="bfloat16"))
+    assert os.environ[key] == "128"
+    monkeypatch.setenv(key, "7")
+    build_training(config_for(workdir, tmp_path / "c", autocast="bfloat16"))
+    assert os.environ[key] == "7"
+
+
 def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, tmp_path):
     from speculators.model import SpeculatorModel
 
