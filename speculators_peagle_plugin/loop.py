@@ -445,8 +445,8 @@ def _bound_onednn_cache() -> None:
 
     Every step's flattened COD sequence has its own length, so the matmuls meet new shapes
     all run long, and oneDNN keeps a primitive per shape, up to 1024 of them by default.
-    bfloat16 primitives hold reordered weights: the demo's training reached 3.4 GiB RSS
-    (float32: 1.1). 128 holds a step's shapes several times over (eval/RESULTS.md).
+    bfloat16 primitives hold reordered weights: training the demo's draft reached 3.4 GiB
+    RSS (float32: 1.1). 128 holds a step's shapes several times over (eval/RESULTS.md).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 

@@ -112,8 +112,12 @@ def fused_linear_kl(
         and ``[n]`` bool argmax agreement. Equals :func:`trainer._kl_div_loss` summed.
     """
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    autocast = torch.is_autocast_enabled(hidden.device.type)
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+    device = hidden.device.type
+    # Under autocast the lm_head matmuls take its dtype, as nn.Linear's would; all else
+    # here runs with autocast off (it would lower the float32 row dot products too).
+    autocast = torch.is_autocast_enabled(device)
+    mm_dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+    with torch.no_grad(), torch.autocast(device, enabled=False):
         # Per distinct target row, once: p, sum p log p and sum p (1 up to rounding),
         # with log p = t - lse(t) so no [m, V_d] log-softmax is kept.
         target_p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
@@ -130,10 +134,6 @@ def fused_linear_kl(
             target_stats[s : s + CHUNK_ROWS, 1] = p_sum
         target_argmax = target_logits.argmax(-1)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    device = hidden.device.type
-    # Under autocast the lm_head matmuls take its dtype, as nn.Linear's would; the rest of
-    # the function runs with autocast off (it would lower the float32 row dot products).
-    mm_dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
     with torch.autocast(device, enabled=False):
         return _FusedLinearKL.apply(
             hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype
