@@ -20,7 +20,19 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ROWS = 1024
+# 512 rows x 8K vocab is 16 MB of float32 per buffer: the chunk's elementwise passes stay
+# in a 32 MB L3. Demo shapes (1000 rows, 2 threads): fused KL forward + backward 113 ms with
+# 512-row chunks vs 126 ms with 1024 (bfloat16 matmuls), 184 vs 197 ms (float32).
+CHUNK_ROWS = 512
+
+
+def _lse(row_max: torch.Tensor, softmax: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` of rows from their max and softmax: ``max - log softmax[argmax]``.
+
+    The softmax at the argmax is the row's largest probability (>= 1 / V), so its log is
+    exact to rounding; this saves ``logsumexp``'s own exp pass over ``[rows, V]``.
+    """
+    return row_max - softmax.gather(-1, argmax.unsqueeze(-1)).squeeze(-1).log()
 
 
 class _FusedLinearKL(torch.autograd.Function):
@@ -40,10 +52,11 @@ class _FusedLinearKL(torch.autograd.Function):
         # logit gradient stay in the float32 `dtype`, gradients in their tensors' dtypes.
         w = weight.to(mm_dtype)
         exact = hidden.dtype == mm_dtype == dtype  # out= matmuls, no casts
-        # Two [chunk, V_d] buffers reused by every chunk: a fresh tensor this size is
+        # Three [chunk, V_d] buffers reused by every chunk: a fresh tensor this size is
         # a fresh mmap, and its page faults cost as much as the arithmetic on it.
         rows_max = min(n, CHUNK_ROWS)
         z_buf = hidden.new_empty(rows_max, vocab, dtype=dtype)
+        q_buf = torch.empty_like(z_buf)
         p_buf = target_p.new_empty(rows_max, vocab)
         for s in range(0, n, CHUNK_ROWS):
             h = hidden[s : s + CHUNK_ROWS].to(mm_dtype)
@@ -58,13 +71,13 @@ class _FusedLinearKL(torch.autograd.Function):
             neg_entropy, p_sum = target_stats[rows].unbind(-1)
             z_max, z_argmax = z.max(-1)
             hits[s : s + CHUNK_ROWS] = z_argmax == target_argmax[rows]
-            p_dot_z = torch.einsum("ij,ij->i", p, z)
-            exp_sum = z.sub_(z_max.unsqueeze(-1)).exp_().sum(-1)  # z now holds exp(z - max)
-            # KL = sum_v p (log p - z + lse) with lse = max + log(sum exp(z - max))
-            kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * (z_max + exp_sum.log())
+            p_dot_z = torch.linalg.vecdot(p, z)
+            q = torch.softmax(z, -1, out=q_buf[:c])
+            # KL = sum_v p (log p - z + lse) with lse(z) = z_max - log q[argmax]
+            kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * _lse(z_max, q, z_argmax)
             if need_h or need_w:
                 # d KL / d z = p_sum * softmax(z) - p
-                g = z.mul_((p_sum / exp_sum).unsqueeze(-1)).sub_(p).to(mm_dtype)
+                g = q.mul_(p_sum.unsqueeze(-1)).sub_(p).to(mm_dtype)
                 if need_h and exact:
                     torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])
                 elif need_h:
@@ -118,21 +131,22 @@ def fused_linear_kl(
     autocast = torch.is_autocast_enabled(device)
     mm_dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
     with torch.no_grad(), torch.autocast(device, enabled=False):
-        # Per distinct target row, once: p, sum p log p and sum p (1 up to rounding),
-        # with log p = t - lse(t) so no [m, V_d] log-softmax is kept.
+        # Per distinct target row, once: p, sum p log p, sum p (1 up to rounding) and the
+        # argmax, with log p = t - lse(t) so no [m, V_d] log-softmax is kept.
         target_p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
         target_stats = target_p.new_empty(target_logits.shape[0], 2)
+        target_argmax = torch.empty(
+            target_logits.shape[0], dtype=torch.long, device=target_logits.device
+        )
         for s in range(0, target_logits.shape[0], CHUNK_ROWS):
             t = target_logits[s : s + CHUNK_ROWS].to(dtype)
-            t_max = t.amax(-1, keepdim=True)
-            p = torch.sub(t, t_max, out=target_p[s : s + CHUNK_ROWS]).exp_()
-            exp_sum = p.sum(-1, keepdim=True)
-            p.div_(exp_sum)
+            t_max, t_argmax = t.max(-1)
+            p = torch.softmax(t, -1, out=target_p[s : s + CHUNK_ROWS])
             p_sum = p.sum(-1)
-            lse = (t_max + exp_sum.log()).squeeze(-1)
-            target_stats[s : s + CHUNK_ROWS, 0] = torch.einsum("ij,ij->i", p, t) - lse * p_sum
+            lse = _lse(t_max, p, t_argmax)
+            target_stats[s : s + CHUNK_ROWS, 0] = torch.linalg.vecdot(p, t) - lse * p_sum
             target_stats[s : s + CHUNK_ROWS, 1] = p_sum
-        target_argmax = target_logits.argmax(-1)
+            target_argmax[s : s + CHUNK_ROWS] = t_argmax
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
         return _FusedLinearKL.apply(
