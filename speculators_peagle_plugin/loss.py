@@ -71,7 +71,7 @@ class _FusedLinearKL(torch.autograd.Function):
             neg_entropy, p_sum = target_stats[rows].unbind(-1)
             z_max, z_argmax = z.max(-1)
             hits[s : s + CHUNK_ROWS] = z_argmax == target_argmax[rows]
-            p_dot_z = torch.linalg.vecdot(p, z)
+            p_dot_z = torch.mul(p, z, out=q_buf[:c]).sum(-1)  # q_buf as scratch
             q = torch.softmax(z, -1, out=q_buf[:c])
             # KL = sum_v p (log p - z + lse) with lse(z) = z_max - log q[argmax]
             kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * _lse(z_max, q, z_argmax)
@@ -139,12 +139,12 @@ def fused_linear_kl(
             target_logits.shape[0], dtype=torch.long, device=target_logits.device
         )
         for s in range(0, target_logits.shape[0], CHUNK_ROWS):
-            t = target_logits[s : s + CHUNK_ROWS].to(dtype)
+            t = target_logits[s : s + CHUNK_ROWS].to(dtype, copy=True)  # ours to overwrite
             t_max, t_argmax = t.max(-1)
             p = torch.softmax(t, -1, out=target_p[s : s + CHUNK_ROWS])
             p_sum = p.sum(-1)
             lse = _lse(t_max, p, t_argmax)
-            target_stats[s : s + CHUNK_ROWS, 0] = torch.linalg.vecdot(p, t) - lse * p_sum
+            target_stats[s : s + CHUNK_ROWS, 0] = t.mul_(p).sum(-1) - lse * p_sum
             target_stats[s : s + CHUNK_ROWS, 1] = p_sum
             target_argmax[s : s + CHUNK_ROWS] = t_argmax
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
