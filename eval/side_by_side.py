@@ -3,7 +3,7 @@
 Usage (after ``make demo``, whose target, data and training config it reuses)::
 
     .venv/bin/python -m eval.side_by_side [--demo-dir runs/demo] [--out runs/side-by-side]
-        [--steps N] [--eval-prompts humaneval[120:164] --eval-prompts chat[100:]]
+        [--steps N] [--seed S] [--eval-prompts humaneval[120:164] --eval-prompts chat[100:]]
 
 Both sides start from ONE draft: :func:`~speculators_peagle_plugin.loop.build_training`
 on the demo's YAML builds it (layers, draft vocabulary, K, r, r_min, seed), and the
@@ -52,10 +52,12 @@ def _train_config(spec: dict, side: str):
     from speculators_peagle_plugin.config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.
+    seed = {} if spec.get("seed") is None else {"seed": spec["seed"]}
     return TrainConfig.from_sources(
         spec["config"], verifier_name_or_path=spec["target"], data_path=spec["data"],
         save_path=str(Path(spec["out"]) / f"{side}-train"), max_steps=spec["steps"],
         checkpoint_freq=1e9, keep_checkpoints=1, log_freq=1, no_resume_from_checkpoint=True,
+        **seed,
     )  # fmt: skip
 
 
@@ -184,6 +186,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/side-by-side")
     parser.add_argument("--steps", type=int, help="Optimizer steps [default: the demo's].")
     parser.add_argument("--eval-prompts", action="append", help="[default: the demo's].")
+    parser.add_argument(
+        "--seed", type=int, help="Initial weights, row order and COD samples [default: the YAML's]."
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -198,7 +203,7 @@ def main() -> None:
     spec = {
         "target": demo["target"], "data": demo["data"], "config": demo["config"],
         "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
-        "out": str(out), "threads": args.threads,
+        "out": str(out), "threads": args.threads, "seed": args.seed,
     }  # fmt: skip
     results = {}
     for side in ("ours", "theirs"):

@@ -52,6 +52,17 @@ def test_both_sides_train_the_same_draft_alike(spec):
         assert config["speculators_model_type"] == "peagle"
 
 
+def test_a_seed_replicates_the_comparison_on_both_sides(spec, tmp_path):
+    """``--seed``: another initial draft, row order and COD samples, alike on both sides."""
+    default = side_by_side.train_ours(dict(spec, out=str(tmp_path / "default"), steps=2))
+    seeded = dict(spec, out=str(tmp_path / "seeded"), steps=2, seed=7)
+    ours, theirs = side_by_side.train_ours(seeded), side_by_side.train_theirs(seeded)
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-4, atol=1e-7
+    )
+    assert abs(ours["losses"][0] - default["losses"][0]) > 1e-3  # not the YAML's seed
+
+
 def test_partitioned_ours_matches_theirs_too(spec, tmp_path):
     """Sequence partitions change how ours computes the loss, not what it is."""
     config = tmp_path / "partitioned.yaml"
