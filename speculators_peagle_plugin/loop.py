@@ -509,8 +509,8 @@ def build_training(config: TrainConfig) -> TrainingSetup:
     module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
     wrapped = _wrap(_StepModule(module), config, world)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
-    # fused: one kernel over every parameter. On CPU torch's default is a loop per tensor,
-    # 8-10x slower (23 vs 2.8 ms per step for the demo draft's 10M parameters).
+    # fused: one kernel over every parameter. On CPU torch's default is a loop per tensor:
+    # 8.3 vs 3.5 ms per demo step (scheduler included).
     optimizer = torch.optim.AdamW(
         trainable, lr=config.lr, weight_decay=config.weight_decay, fused=True
     )

@@ -9,7 +9,7 @@ several ``[n, V_d]`` float tensors alive until backward; at 8K tokens and K = 8
 that is ~1 GB each. The loss is a sum over rows, so its gradient with respect to
 the logits is known in the forward, ``sum(p) * softmax(z) - p`` per row. Each chunk
 therefore turns straight into ``grad_hidden = g @ W`` and ``grad_W += g.T @ hidden``
-and is dropped: peak extra memory is two reused ``[chunk, V_d]`` buffers, and the
+and is dropped: peak extra memory is three reused ``[chunk, V_d]`` buffers, and the
 backward is a scale by the incoming scalar gradient.
 
 Per row, ``KL = sum p log p - p . z + sum(p) * lse(z)``: the first term is computed
