@@ -292,10 +292,17 @@ class _BlockSparseAttention(torch.autograd.Function):
     the chain's by hand. Saved for backward: ``q, k, v``, the output and one
     log-sum-exp per row; gradients are accumulated into one buffer each, never a
     full-size tensor per chunk.
+
+    ``forward_dtype`` (optional): the forward computes in it from casts of ``q, k, v``,
+    and the output comes back in their dtype; the backward runs in their dtype from
+    the originals and that forward's output and log-sum-exp.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks, scale):
+    def forward(ctx, q, k, v, chunks, scale, forward_dtype=None):
+        saved = (q, k, v)
+        if forward_dtype is not None:
+            q, k, v = (t.to(forward_dtype) for t in saved)
         kv_heads = k.shape[1]
         g = q.shape[1] // kv_heads
         n = q.shape[2]
@@ -316,7 +323,8 @@ class _BlockSparseAttention(torch.autograd.Function):
                 o_lse = merged
             out.index_copy_(2, c.rows, _ungrouped(o))
             lse.index_copy_(2, c.rows, _ungrouped(o_lse))
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.to(saved[0].dtype)
+        ctx.save_for_backward(*saved, out, lse)
         ctx.chunks, ctx.scale = chunks, scale
         return out
 
@@ -351,7 +359,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 grad_v[0].transpose(0, 1).index_add_(0, idx, _chain_outer(p, go))
             if dq is not None:
                 grad_q.index_copy_(2, c.rows, _ungrouped(dq))
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def _band_attention(qs, k, v, c: _Chunk, g: int, scale: float):
@@ -407,24 +415,30 @@ def _chain_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("ghcj,ghcD->cjhD", a, b).flatten(0, 1)
 
 
-def _chunked_attention(q, k, v, mask: PeagleMask, scale) -> torch.Tensor:
+def _chunked_attention(q, k, v, mask: PeagleMask, scale, forward_dtype=None) -> torch.Tensor:
     """Exact masked attention over ``mask``'s chunks (see :class:`_BlockSparseAttention`)."""
-    return _BlockSparseAttention.apply(q, k, v, mask.chunks, scale)
+    return _BlockSparseAttention.apply(q, k, v, mask.chunks, scale, forward_dtype)
 
 
 def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
     """Attention of ``q [1, H, N, D]`` over ``k, v [1, Hkv, N, D]`` under ``mask``.
 
-    Under ``torch.autocast``, ``q, k, v`` are cast once and the kernels run with autocast
-    off (it would lower every ``einsum``, softmax statistics included): in the autocast
-    dtype on CUDA, as ``scaled_dot_product_attention`` would; in float32 on CPU, where the
-    flash kernel's bfloat16 backward is slower than its float32 one (0.50 vs 0.43 s per
-    demo step, eval/RESULTS.md).
+    Under ``torch.autocast`` the kernels run with autocast off (it would lower every
+    ``einsum``, softmax statistics included), and the forward computes in the autocast
+    dtype, as ``scaled_dot_product_attention`` would (and so speculators' ``Trainer``).
+    On CUDA the backward follows it. On CPU the backward runs in float32, from float32
+    ``q, k, v`` and the forward's output and log-sum-exp: the flash kernel's bfloat16
+    backward is 1.7x slower than its float32 one (43 vs 25 ms per demo segment). Why
+    not all float32: a draft trained with a float32 forward here came out worse at
+    depths >= 1 (held-out accuracy, eval/RESULTS.md).
     """
     device = q.device.type
     if torch.is_autocast_enabled(device):
-        dtype = torch.float32 if device == "cpu" else torch.get_autocast_dtype(device)
+        dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
+            if device == "cpu" and mask.impl == "chunked":
+                q, k, v = (t.float() for t in (q, k, v))
+                return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
     if mask.impl == "flex":
         return _peagle_flex_attention(q, k, v, mask.block_mask, scale)

@@ -305,25 +305,47 @@ def test_fused_linear_kl_under_autocast_runs_its_matmuls_in_bfloat16():
     assert loss.CHUNK_ROWS >= 30  # one chunk: the weight gradient is one rounded product
 
 
-def test_under_autocast_attention_and_fused_norm_stay_float32_bit_for_bit():
-    """Autocast lowers every einsum / bmm; the COD attention and the fused norm opt out."""
-    anchor, depth, doc = random_cod_elements(5)
+@pytest.mark.parametrize("seed", range(3))
+def test_under_autocast_cpu_attention_runs_forward_bfloat16_backward_float32(seed):
+    """The forward as autocast's SDPA would compute it (bfloat16); float32 gradients."""
+    anchor, depth, doc = random_cod_elements(5 + seed)
     mask = attention.PeagleMask(anchor, depth, doc, None, "chunked")
-    gen = torch.Generator().manual_seed(6)
     n = anchor.shape[0]
+    idx = torch.arange(n)
+    allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
+    gen = torch.Generator().manual_seed(6 + seed)
     q, k, v = (
-        torch.randn(1, n, h, 64, generator=gen).transpose(1, 2).requires_grad_()
-        for h in (4, 2, 2)
+        torch.randn(1, n, h, 64, generator=gen).transpose(1, 2).requires_grad_() for h in (4, 2, 2)
     )
+    grad_out = torch.randn(1, 4, n, 64, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention.peagle_attention(q, k, v, mask, 0.125)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    with torch.no_grad():
+        bf16_forward = attention._chunked_attention(*(t.bfloat16() for t in (q, k, v)), mask, 0.125)
+    assert out.dtype == torch.float32 and torch.equal(out, bf16_forward.float())
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = dense_attention(q64, k64, v64, allowed, 0.125)
+    want_grads = torch.autograd.grad(want, (q64, k64, v64), grad_out.double())
+    names, wants = ["out", "dq", "dk", "dv"], (want.detach(), *want_grads)
+    for name, got, ref in zip(names, (out, *grads), wants, strict=True):
+        assert got.dtype == torch.float32, name
+        error = float((got.detach().double() - ref).abs().max() / ref.abs().max())
+        assert error < 2e-2, (name, error)  # bfloat16 forward rounding, nothing worse
+        if name != "out":  # a bfloat16 backward would leave bfloat16 values
+            assert not torch.equal(got, got.bfloat16().float()), name
+
+
+def test_under_autocast_fused_norm_stays_float32_bit_for_bit():
+    """Autocast would lower the norm's products; the fused norm opts out."""
+    gen = torch.Generator().manual_seed(6)
     norm = LlamaRMSNorm(64)
-    x = torch.randn(3, n, 64, generator=gen, requires_grad=True)
+    x = torch.randn(3, 50, 64, generator=gen, requires_grad=True)
     results = []
     for enabled in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            out = attention.peagle_attention(q, k, v, mask, 0.125)
             y = _rms_norm(norm, x)
-        grads = torch.autograd.grad((out.sum(), (y * y).sum()), (q, k, v, x))
-        results.append((out, y, *grads))
+        results.append((y, *torch.autograd.grad((y * y).sum(), (x, norm.weight))))
     for a, b in zip(*results, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
