@@ -425,7 +425,7 @@ def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
 
     Under ``torch.autocast`` the kernels run with autocast off (it would lower every
     ``einsum``, softmax statistics included), and the forward computes in the autocast
-    dtype, as ``scaled_dot_product_attention`` would (and so speculators' ``Trainer``).
+    dtype, as ``scaled_dot_product_attention`` would in speculators' ``Trainer``.
     On CUDA the backward follows it. On CPU the backward runs in float32, from float32
     ``q, k, v`` and the forward's output and log-sum-exp: the flash kernel's bfloat16
     backward is 1.7x slower than its float32 one (43 vs 25 ms per demo segment). Why
