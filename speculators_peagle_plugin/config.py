@@ -114,6 +114,12 @@ class TrainConfig:
         "verifier's. The K-1 mask slots see the context only through these values, so a 1-layer "
         "draft of a GQA target learns its later depths far better with more.",
     )
+    draft_init: str = _opt(
+        "random",
+        "Initial draft: random (speculators'), or verifier: fc passes the deepest aux state "
+        "through and the draft layers start as the verifier layers that follow it.",
+        choices=("random", "verifier"),
+    )
     norm_before_residual: bool = _opt(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = _opt(False, "Train the token embedding too.")
     num_depths: int = _opt(CODConfig.num_depths, "Parallel depths K (speculative tokens).")

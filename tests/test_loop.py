@@ -50,7 +50,7 @@ def config_for(workdir, save, **kw):
     return TrainConfig(
         verifier_name_or_path=str(workdir / "target"), data_path=str(workdir / "data"),
         save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, total_seq_len=96,
-        seed=3, lr=0.01, **kw,
+        **{"seed": 3, "lr": 0.01, **kw},
     )  # fmt: skip
 
 
@@ -290,6 +290,59 @@ def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, 
     assert torch.equal(loaded.state_dict()["layers.0.self_attn.k_proj.weight"], k_proj)
     line = refused(workdir, tmp_path / "bad", workdir / "data", "--num-key-value-heads", "3")
     assert "num_key_value_heads must divide the draft's 4 attention heads, got 3" in line
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_deepest_aux(
+    workdir, tmp_path, seed
+):
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    # the data's aux ids are (1, 2, 3): draft layer 0 starts as verifier layer 3, and
+    # 4 key/value heads over the verifier's 2 serve the query heads the verifier's did
+    kw = {"num_key_value_heads": 4, "seed": 3 + seed}
+    made = {init: build_training(config_for(workdir, tmp_path / init, draft_init=init, **kw))
+            for init in ("verifier", "random")}  # fmt: skip
+    draft, plain = made["verifier"].draft, made["random"].draft
+    verifier = LlamaForCausalLM.from_pretrained(workdir / "target").model.layers[3]
+    ours, attn, theirs = draft.layers[0], draft.layers[0].self_attn, verifier.self_attn
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(3, 17, (1,), generator=gen))
+    x, aux = torch.randn(n, 64, generator=gen), torch.randn(n, 3 * 64, generator=gen)
+    cat = torch.cat([torch.zeros_like(x), x], dim=-1)  # [embeds, hidden]: the hidden half
+    heads = lambda t, h: t.view(1, n, h, 16).transpose(1, 2)  # noqa: E731  [1, h, n, 16]
+    with torch.no_grad():
+        assert torch.equal(draft.fc(aux), aux[:, 128:])  # the deepest aux (id 3) passes
+        assert torch.allclose(attn.q_proj(cat), theirs.q_proj(x), atol=1e-6)
+        for proj in ("k_proj", "v_proj"):
+            expected = repeat_kv(heads(getattr(theirs, proj)(x), 2), 2)
+            assert torch.allclose(heads(getattr(attn, proj)(cat), 4), expected, atol=1e-6)
+        assert torch.equal(attn.o_proj(x), theirs.o_proj(x))
+        assert torch.equal(ours.mlp(x), verifier.mlp(x))
+        assert torch.equal(ours.hidden_norm(x), verifier.input_layernorm(x))
+        assert torch.equal(ours.post_attention_layernorm(x), verifier.post_attention_layernorm(x))
+    # what the verifier does not supply keeps speculators' start: the embedding half of
+    # q/k/v, the embedding-side norm, the embedding and the heads
+    for name, value in plain.state_dict().items():
+        mine = draft.state_dict()[name]
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            assert torch.equal(mine[:, :64], value[:, :64]), name
+        elif not name.startswith(("fc.", "layers.0.mlp", "layers.0.self_attn.o_proj",
+                                  "layers.0.hidden_norm", "layers.0.post_attention")):  # fmt: skip
+            assert torch.equal(mine, value), name
+
+
+def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
+    line = refused(workdir, tmp_path / "a", workdir / "data", "--draft-init", "verifier",
+                   "--num-layers", "2")  # fmt: skip
+    assert "copies verifier layers 3..4 (after aux id 3)" in line and "layers.4" in line, line
+    line = refused(workdir, tmp_path / "b", workdir / "data", "--draft-init", "verifier",
+                   "--num-key-value-heads", "1")  # fmt: skip
+    assert "k_proj heads (1) to be a multiple of the verifier's (2)" in line, line
+    code, out = run_cli(train_args(workdir, tmp_path / "c", "--max-steps", "2",
+                                   "--draft-init", "verifier"))  # fmt: skip
+    assert code == 0, out
 
 
 def test_a_verifier_of_another_hidden_size_is_refused(workdir, tmp_path):
