@@ -169,7 +169,9 @@ def _demo_inputs(demo_dir: Path) -> dict:
     config = json.loads(summary.read_text())["config"]
     return {
         "target": stages["target"]["outputs"]["path"],
-        "data": str(Path(stages["data"]["outputs"]["path"]).resolve()),
+        # the demo writes its data to RUN_DIR/data; stages.json holds it relative to where
+        # the demo ran, which need not be this process's working directory
+        "data": str((demo_dir / "data").resolve()),
         "config": config["train_config"],
         "steps_demo": config["max_steps"],
         "eval_max_new_tokens": config["eval_max_new_tokens"],

@@ -47,10 +47,11 @@ def train_args(workdir, save, *extra):
 
 
 def config_for(workdir, save, **kw):
+    defaults = {"verifier_name_or_path": str(workdir / "target"),
+                "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01}  # fmt: skip
     return TrainConfig(
-        verifier_name_or_path=str(workdir / "target"), data_path=str(workdir / "data"),
         save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, total_seq_len=96,
-        **{"seed": 3, "lr": 0.01, **kw},
+        **(defaults | kw),
     )  # fmt: skip
 
 
@@ -296,18 +297,27 @@ def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, 
 def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_deepest_aux(
     workdir, tmp_path, seed
 ):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import repeat_kv
 
+    # the tiny target with norms that are not all ones, so copying them is seen
+    gen = torch.Generator().manual_seed(seed)
+    target = LlamaForCausalLM.from_pretrained(workdir / "target")
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=gen)
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(workdir / "target").save_pretrained(tmp_path / "target")
     # the data's aux ids are (1, 2, 3): draft layer 0 starts as verifier layer 3, and
     # 4 key/value heads over the verifier's 2 serve the query heads the verifier's did
-    kw = {"num_key_value_heads": 4, "seed": 3 + seed}
+    kw = {"num_key_value_heads": 4, "seed": 3 + seed,
+          "verifier_name_or_path": str(tmp_path / "target")}  # fmt: skip
     made = {init: build_training(config_for(workdir, tmp_path / init, draft_init=init, **kw))
             for init in ("verifier", "random")}  # fmt: skip
     draft, plain = made["verifier"].draft, made["random"].draft
-    verifier = LlamaForCausalLM.from_pretrained(workdir / "target").model.layers[3]
+    verifier = target.model.layers[3]
     ours, attn, theirs = draft.layers[0], draft.layers[0].self_attn, verifier.self_attn
-    gen = torch.Generator().manual_seed(seed)
     n = int(torch.randint(3, 17, (1,), generator=gen))
     x, aux = torch.randn(n, 64, generator=gen), torch.randn(n, 3 * 64, generator=gen)
     cat = torch.cat([torch.zeros_like(x), x], dim=-1)  # [embeds, hidden]: the hidden half
