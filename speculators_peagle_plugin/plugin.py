@@ -140,9 +140,12 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
     return draft
 
 
-# Tensors of a decoder layer copied as they are; q/k/v get their own treatment below.
+# Tensors of a decoder layer copied as they are (required, then optional); q/k/v and the
+# input norm get their own treatment below.
 _COPIED = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
            "self_attn.o_proj.weight", "post_attention_layernorm.weight")  # fmt: skip
+_REQUIRED = (*_COPIED, "input_layernorm.weight",
+             *(f"self_attn.{p}_proj.weight" for p in "qkv"))  # fmt: skip
 _OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.bias",
              "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")  # fmt: skip
 _QKV = tuple(f"self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias"))
@@ -177,11 +180,11 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
     present = [n + s for n in names for s in (*_COPIED, *_OPTIONAL, *_QKV, "input_layernorm.weight")
                if any(k == n + s or k.endswith("." + n + s) for k in keys)]  # fmt: skip
     found = load_model_layers(present, str(verifier_path)) if present else {}
-    missing = [n for n in names if n + "mlp.down_proj.weight" not in found]
+    missing = [n + s for n in names for s in _REQUIRED if n + s not in found]
     if missing:
         raise ValueError(
             f"--draft-init verifier copies verifier layers {deepest}..{deepest + len(layers) - 1} "
-            f"(after aux id {deepest}) but {verifier_path} has no {missing[0].rstrip('.')}; "
+            f"(after aux id {deepest}) but {verifier_path} has no {missing[0]}; "
             "use fewer draft layers, a shallower deepest aux id, or --draft-init random."
         )
     fc = draft.fc
@@ -193,7 +196,9 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
             fc.bias.zero_()
         for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
             params = dict(layer.named_parameters())
-            for suffix in (*_COPIED, *_OPTIONAL):
+            for suffix in _COPIED:
+                _copy(params[suffix], found[name + suffix], name + suffix)
+            for suffix in _OPTIONAL:
                 if suffix in params and name + suffix in found:
                     _copy(params[suffix], found[name + suffix], name + suffix)
             # the first layer normalises the hidden half with hidden_norm (input_layernorm: embeds)

@@ -350,6 +350,20 @@ def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
     line = refused(workdir, tmp_path / "b", workdir / "data", "--draft-init", "verifier",
                    "--num-key-value-heads", "1")  # fmt: skip
     assert "k_proj heads (1) to be a multiple of the verifier's (2)" in line, line
+    # a verifier whose layer lacks a tensor the copy needs is refused, not half-copied
+    import shutil
+
+    from safetensors.torch import save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(workdir / "target", partial)
+    weights = load_file(partial / "model.safetensors")
+    del weights["model.layers.3.self_attn.o_proj.weight"]
+    save_file(weights, partial / "model.safetensors", metadata={"format": "pt"})
+    args = train_args(workdir, tmp_path / "d", "--max-steps", "1", "--draft-init", "verifier")
+    args[args.index("--verifier-name-or-path") + 1] = str(partial)
+    code, out = run_cli(args)
+    assert code == 1 and "has no layers.3.self_attn.o_proj.weight" in out, out
     code, out = run_cli(train_args(workdir, tmp_path / "c", "--max-steps", "2",
                                    "--draft-init", "verifier"))  # fmt: skip
     assert code == 0, out
