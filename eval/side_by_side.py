@@ -177,6 +177,8 @@ def _demo_inputs(demo_dir: Path) -> dict:
         "eval_max_new_tokens": config["eval_max_new_tokens"],
         "eval_batch_size": config["eval_batch_size"],
         "kv_cache_gb": config["kv_cache_gb"],
+        # the dtype the target wrote the data in is the one the drafts are served with
+        "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
     }
@@ -221,7 +223,8 @@ def main() -> None:
            "-k", str(demo["k"]), "--no-baseline",
            "--max-new-tokens", str(demo["eval_max_new_tokens"]),
            "--batch-size", str(demo["eval_batch_size"]),
-           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--out", str(eval_dir)]  # fmt: skip
+           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
+           "--out", str(eval_dir)]  # fmt: skip
     for p in prompts:
         cmd += ["--prompts", p]
     _run(cmd)

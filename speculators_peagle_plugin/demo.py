@@ -64,6 +64,9 @@ class DemoConfig:
         num_speculative_tokens: K served in vLLM.
         eval_max_new_tokens / eval_batch_size: per request / requests in flight in vLLM.
         kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
+        target_dtype: the target's dtype when it writes the data and serves in eval (the
+            draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
+            on CPUs that multiply it natively, float32 elsewhere.
         goal: mean acceptance length the trained draft should reach on the first eval set.
         quick: a CI-sized run whose figures mean nothing.
     """
@@ -73,7 +76,7 @@ class DemoConfig:
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
     eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]")
     max_new_tokens: int = 200
-    num_samples: int = 3
+    num_samples: int = 5
     temperature: float = 0.7
     gen_backend: str = "vllm"
     gen_batch_size: int = 128
@@ -82,6 +85,7 @@ class DemoConfig:
     eval_max_new_tokens: int = 128
     eval_batch_size: int = 16
     kv_cache_gb: int = 4
+    target_dtype: str = "auto"
     goal: float = 2.0
     quick: bool = False
 
@@ -94,6 +98,7 @@ class DemoConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         from .data import BACKENDS
+        from .evaluate import DTYPES
 
         if self.gen_backend not in BACKENDS:
             raise ValueError(
@@ -102,6 +107,11 @@ class DemoConfig:
         if not self.temperature >= 0 or (self.num_samples > 1 and self.temperature == 0):
             raise ValueError(
                 f"temperature must be >= 0, and > 0 with num_samples > 1; got {self.temperature}."
+            )
+        if self.target_dtype not in ("auto", *DTYPES):
+            raise ValueError(
+                f"target_dtype must be auto or one of {', '.join(DTYPES)}, "
+                f"got {self.target_dtype!r}."
             )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps!r}.")
@@ -318,6 +328,10 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     )  # fmt: skip
 
     data_dir = run_dir / "data"
+    native_bf16 = _cpu_has_bfloat16()
+    dtype = config.target_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if native_bf16 else "float32"
 
     def generate() -> dict:
         _command(["generate-data", "--target", str(target), "--prompts", str(prompts_path),
@@ -325,18 +339,18 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
                   "--num-samples", str(config.num_samples),
                   "--temperature", str(config.temperature), "--backend", config.gen_backend,
                   "--batch-size", str(config.gen_batch_size),
-                  "--kv-cache-gb", str(config.kv_cache_gb)], echo, "data")  # fmt: skip
+                  "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype],
+                 echo, "data")  # fmt: skip
         return {"path": str(data_dir)}
 
     data_inputs = {
         "prompts": prompts["sha256"], "max_new_tokens": config.max_new_tokens,
         "num_samples": config.num_samples, "temperature": config.temperature,
-        "backend": config.gen_backend,
+        "backend": config.gen_backend, "dtype": dtype,
     }  # fmt: skip
     stages.run("data", data_inputs, generate, lambda out: (data_dir / "state.json").is_file())
 
     train_dir = run_dir / "train"
-    native_bf16 = _cpu_has_bfloat16()
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,
@@ -386,7 +400,8 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
                 "--draft", str(untrained_draft), "-k", k,
                 "--max-new-tokens", str(config.eval_max_new_tokens),
                 "--batch-size", str(config.eval_batch_size),
-                "--kv-cache-gb", str(config.kv_cache_gb), "--out", str(eval_dir)]  # fmt: skip
+                "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
+                "--out", str(eval_dir)]  # fmt: skip
         for spec in config.eval_prompts:
             args += ["--prompts", spec]
         _command(args, echo, "eval")
@@ -395,7 +410,7 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     eval_inputs = {
         "checkpoint": trained, "specs": list(config.eval_prompts),
         "k": config.num_speculative_tokens, "max_new_tokens": config.eval_max_new_tokens,
-        "batch_size": config.eval_batch_size,
+        "batch_size": config.eval_batch_size, "dtype": dtype,
     }  # fmt: skip
     outputs = stages.run("eval", eval_inputs, evaluate,
                          lambda out: Path(out["record"]).is_file())  # fmt: skip

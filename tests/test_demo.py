@@ -411,7 +411,7 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_autocast_stays_on_only_where_the_cpu_has_native_bfloat16(
+def test_bfloat16_is_used_only_where_the_cpu_has_it_natively(
     fake_pipeline, tmp_path, monkeypatch, native
 ):
     cli, _, yaml, _ = fake_pipeline
@@ -419,10 +419,25 @@ def test_autocast_stays_on_only_where_the_cpu_has_native_bfloat16(
     monkeypatch.setattr(demo, "_cpu_has_bfloat16", lambda: native)
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml))
     demo.run_demo(config, echo=lambda line: None)
-    train = next(c for c in cli.commands if c[0] == "train")
+    gen, train, _, evaluate = cli.commands
     assert ("--autocast" in train) is not native
     if not native:
         assert FakeCli._opt(train, "--autocast") == "none"
+    # The target writes the data in the dtype it is then served in.
+    dtype = "bfloat16" if native else "float32"
+    assert FakeCli._opt(gen, "--dtype") == FakeCli._opt(evaluate, "--dtype") == dtype
+
+
+def test_an_explicit_target_dtype_wins_and_a_new_one_redoes_the_data(fake_pipeline, tmp_path):
+    cli, _, yaml, _ = fake_pipeline
+    config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
+                               target_dtype="float32")  # fmt: skip
+    demo.run_demo(config, echo=lambda line: None)
+    assert [FakeCli._opt(c, "--dtype") for c in cli.commands if "--dtype" in c] == ["float32"] * 2
+    other = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
+                              target_dtype="bfloat16")  # fmt: skip
+    with pytest.raises(ValueError, match=r"'data' stage made with other settings"):
+        demo.run_demo(other, echo=lambda line: None)
 
 
 def test_pipeline_resumes_after_a_failed_stage_and_reports_the_goal(fake_pipeline, tmp_path):
@@ -460,6 +475,8 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
         ({"temperature": 0.0}, "temperature must be >= 0, and > 0 with num_samples > 1; got 0.0."),
         ({"temperature": -1.0, "num_samples": 1}, "got -1.0."),
         ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0."),
+        ({"target_dtype": "fp8"},
+         "target_dtype must be auto or one of float32, bfloat16, float16, got 'fp8'."),
     ],
 )
 def test_demo_config_rejects_bad_generation_settings(overrides, sentence):

@@ -102,7 +102,8 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
     demo = tmp_path / "repo" / "runs" / "demo"
     (demo / "data").mkdir(parents=True)
     stages = {"target": {"outputs": {"path": "/models/target"}},
-              "data": {"outputs": {"path": "runs/demo/data"}}}  # fmt: skip
+              "data": {"inputs": {"dtype": "bfloat16"},
+                       "outputs": {"path": "runs/demo/data"}}}  # fmt: skip
     (demo / "stages.json").write_text(json.dumps(stages))
     config = {"train_config": "configs/demo.yaml", "max_steps": None, "eval_max_new_tokens": 8,
               "eval_batch_size": 2, "kv_cache_gb": 1, "num_speculative_tokens": 4,
@@ -113,3 +114,4 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
     inputs = side_by_side._demo_inputs(Path("../repo/runs/demo"))
     assert inputs["data"] == str((demo / "data").resolve())
     assert inputs["target"] == "/models/target" and inputs["k"] == 4
+    assert inputs["dtype"] == "bfloat16"  # the drafts are served in the data's dtype
