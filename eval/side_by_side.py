@@ -178,6 +178,7 @@ def _demo_inputs(demo_dir: Path) -> dict:
         "eval_batch_size": config["eval_batch_size"],
         "kv_cache_gb": config["kv_cache_gb"],
         # the dtype the target wrote the data in is the one the drafts are served with
+        # (demos before target_dtype existed wrote float32 and recorded none)
         "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
