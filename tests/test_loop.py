@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny import tiny_tokenizer, tiny_workdir
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -190,8 +191,6 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
 @pytest.fixture
 def spoil(workdir, tmp_path):
     """A copy of the data directory to damage."""
-    import shutil
-
     copy = tmp_path / "data"
     shutil.copytree(workdir / "data", copy)
     return copy
@@ -351,10 +350,6 @@ def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
                    "--num-key-value-heads", "1")  # fmt: skip
     assert "k_proj heads (1) to be a multiple of the verifier's (2)" in line, line
     # a verifier whose layer lacks a tensor the copy needs is refused, not half-copied
-    import shutil
-
-    from safetensors.torch import save_file
-
     partial = tmp_path / "partial"
     shutil.copytree(workdir / "target", partial)
     weights = load_file(partial / "model.safetensors")
