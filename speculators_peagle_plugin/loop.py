@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import signal
 import time
@@ -299,10 +300,26 @@ def _resume_source(config: TrainConfig, save_path: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def load_training_state(path: Path) -> dict:
+    """Read ``training_state.pt`` without running code from it.
+
+    ``weights_only=True`` restricts unpickling to tensors and plain containers, so a
+    crafted file (a pickle whose ``__reduce__`` calls a program) is refused, not run.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{path} is not a training state this program wrote (only tensors and plain "
+            f"containers are read from it): {first}"
+        ) from None
+
+
 def _load_checkpoint(path: Path, wrapped, draft, optimizer, scheduler, config, world) -> int:
     from safetensors.torch import load_file
 
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    state = load_training_state(path / STATE_FILE)
     changed = sorted(
         k
         for k, v in state["config"].items()

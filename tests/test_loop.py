@@ -218,6 +218,32 @@ def test_bad_inputs_fail_with_one_sentence_and_no_checkpoint(workdir, tmp_path, 
     assert "mask_token_id 5" in line and "ordinary vocabulary token" in line
 
 
+class _RunsAProgram:
+    """A pickle that runs ``touch MARKER`` when unpickled with weights_only=False."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_training_state_is_refused_and_runs_nothing(workdir, tmp_path):
+    save = tmp_path / "out"
+    code, out = run_cli(train_args(workdir, save, "--max-steps", "2"))
+    assert code == 0, out
+    (checkpoint,) = checkpoint_dirs(save)
+    marker = tmp_path / "pwned"
+    torch.save({"step": _RunsAProgram(marker)}, checkpoint / "training_state.pt")
+    for extra in ([], ["--resume", str(checkpoint)]):
+        code, out = run_cli(train_args(workdir, save, "--max-steps", "4", *extra))
+        assert code == 1, out
+        assert not marker.exists(), "unpickling the training state ran a program"
+        line = out.strip().splitlines()[-1]
+        assert "training_state.pt is not a training state this program wrote" in line, out
+    assert checkpoint_dirs(save) == [checkpoint]
+
+
 class _MatmulDtypes(TorchDispatchMode):
     """Records the dtype of every aten matmul (after autocast has chosen it)."""
 
