@@ -28,7 +28,7 @@ from pathlib import Path
 
 def _config(args, save_path: str):
     from speculators_peagle_plugin.cli import build_train_config
-    from speculators_peagle_plugin.config import TrainConfig
+    from speculators_peagle_plugin.training.config import TrainConfig
 
     flags = dict.fromkeys(TrainConfig.__dataclass_fields__)
     flags.update(
@@ -42,7 +42,7 @@ def _config(args, save_path: str):
 def run_bare(args) -> list[float]:
     import torch
 
-    from speculators_peagle_plugin.loop import _to_device, build_training, cod_generator
+    from speculators_peagle_plugin.training.loop import _to_device, build_training, cod_generator
 
     with tempfile.TemporaryDirectory() as save:
         config = _config(args, save)
@@ -77,7 +77,7 @@ def run_bare(args) -> list[float]:
 
 
 def run_loop(args) -> list[float]:
-    from speculators_peagle_plugin.loop import METRICS_FILE, train
+    from speculators_peagle_plugin.training.loop import METRICS_FILE, train
 
     with tempfile.TemporaryDirectory() as save:
         train(_config(args, save), progress=True)

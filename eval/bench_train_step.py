@@ -214,8 +214,8 @@ def _speculators_step_fn(config, batch):
 def _ours_step_fn(config, batch, partitions: int):
     import torch
 
-    import speculators_peagle_plugin.trainer as trainer_mod
-    from speculators_peagle_plugin.draft import PEagleDraftModel
+    import speculators_peagle_plugin.training.peagle_trainer as trainer_mod
+    from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
 
     draft, t2d = build_model(PEagleDraftModel, config)
     module = trainer_mod.PEagleTrainerModule(

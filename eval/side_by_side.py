@@ -49,7 +49,7 @@ def _peak_rss_gib() -> float:
 
 
 def _train_config(spec: dict, side: str):
-    from speculators_peagle_plugin.config import TrainConfig
+    from speculators_peagle_plugin.training.config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.
     seed = {} if spec.get("seed") is None else {"seed": spec["seed"]}
@@ -63,8 +63,8 @@ def _train_config(spec: dict, side: str):
 
 def train_ours(spec: dict) -> dict:
     """The plugin's own training loop; the draft is linked to ``OUT/peagle-plugin``."""
-    from speculators_peagle_plugin.demo import link_draft
-    from speculators_peagle_plugin.loop import METRICS_FILE, train
+    from speculators_peagle_plugin.demo.pipeline import link_draft
+    from speculators_peagle_plugin.training.loop import METRICS_FILE, train
 
     config = _train_config(spec, "ours")
     checkpoint = train(config)
@@ -86,8 +86,8 @@ def train_theirs(spec: dict) -> dict:
     from speculators.losses import resolve_loss_config
     from torch import nn
 
-    from speculators_peagle_plugin.demo import save_atomically
-    from speculators_peagle_plugin.loop import (
+    from speculators_peagle_plugin.demo.pipeline import save_atomically
+    from speculators_peagle_plugin.training.loop import (
         _scheduler,
         autocast_context,
         build_training,

@@ -4,14 +4,14 @@ Importing the package only binds names; registration with speculators happens
 through the ``speculators.algorithms`` entry point.
 """
 
-from .config import CODConfig
-from .masks import (
+from .core.config import CODConfig
+from .core.peagle_attention import (
     create_peagle_mask_mod,
     dense_peagle_mask,
     document_ids_from_lengths,
     lengths_from_document_ids,
 )
-from .sampling import assign_cod_segments, generate_cod_sample_indices
+from .core.peagle_data import assign_cod_segments, generate_cod_sample_indices
 
 __all__ = [
     "CODConfig",

@@ -10,8 +10,8 @@ from typing import get_args, get_type_hints
 
 import click
 
-from .config import TrainConfig
-from .plugin import discover_algorithms
+from .training.algorithm import discover_algorithms
+from .training.config import TrainConfig
 
 
 @click.group()
@@ -30,7 +30,7 @@ def algorithms() -> None:
 
 def _gen_help(text: str, name: str) -> str:
     """Help text showing DataGenConfig's default, so the default lives in one place."""
-    from .data import DataGenConfig
+    from .data.dataset import DataGenConfig
 
     default = next(f.default for f in dataclasses.fields(DataGenConfig) if f.name == name)
     return f"{text} [default: {default}]"
@@ -67,8 +67,8 @@ def generate_data(target_layer_ids: str | None, **options) -> None:
     """Regenerate replies with the target and write speculators-format training data."""
     import logging
 
-    from .data import DataGenConfig
-    from .data import generate_data as run_generation
+    from .data.dataset import DataGenConfig
+    from .data.dataset import generate_data as run_generation
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     values = {k: v for k, v in options.items() if v is not None}
@@ -156,8 +156,8 @@ def train(config_file: str | None, **flags) -> None:
     """Train a draft with the selected algorithm (--algorithm, default peagle)."""
     import logging
 
-    from .loop import TrainingInterrupted
-    from .loop import train as run_training
+    from .training.loop import TrainingInterrupted
+    from .training.loop import train as run_training
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -189,7 +189,7 @@ def check(
     checkpoint: str, target: str | None, num_speculative_tokens: int | None, device: str | None
 ) -> None:
     """List every way vLLM would reject or mis-serve CHECKPOINT, each with its fix."""
-    from .lint import check_checkpoint
+    from .serving.check import check_checkpoint
 
     try:
         findings = check_checkpoint(
@@ -218,7 +218,7 @@ def check(
 def export(checkpoint: str, output: str, target: str | None, mask_token_id: int | None,
            num_speculative_tokens: int | None, device: str | None) -> None:  # fmt: skip
     """Write a fixed copy of CHECKPOINT to OUTPUT where every fix is mechanical."""
-    from .lint import export_checkpoint
+    from .serving.check import export_checkpoint
 
     try:
         fixed, remaining = export_checkpoint(
@@ -259,7 +259,7 @@ def eval_command(ks: str, no_baseline: bool, **options) -> None:
     """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
     import sys
 
-    from .evaluate import EvalConfig, evaluate
+    from .evaluation.harness import EvalConfig, evaluate
 
     values = {k: v for k, v in options.items() if v is not None}
     try:
@@ -279,7 +279,7 @@ def eval_command(ks: str, no_baseline: bool, **options) -> None:
 @click.option("--quick", is_flag=True, help="CI-sized run: 6 prompts, 2 steps, a short eval.")
 def demo(run_dir: str | None, train_config: str | None, quick: bool) -> None:
     """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
-    from .demo import DemoConfig, quick_config, run_demo
+    from .demo.pipeline import DemoConfig, quick_config, run_demo
 
     values = {k: v for k, v in (("run_dir", run_dir), ("train_config", train_config)) if v}
     try:

@@ -27,9 +27,9 @@ from speculators.train.vocab_mapping import (
 )
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from speculators_peagle_plugin import data as data_mod
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import (
+from speculators_peagle_plugin.data import dataset as data_mod
+from speculators_peagle_plugin.data.dataset import (
     DataError,
     DataGenConfig,
     PackedBatches,

@@ -16,8 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from speculators_peagle_plugin import demo, models
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.demo import pipeline as demo
+from speculators_peagle_plugin.demo import smollm2 as models
 
 # ---------------------------------------------------------------- models.py, cheap logic
 
@@ -264,8 +265,8 @@ def test_stages_skip_finished_work_and_refuse_other_settings(tmp_path):
 
 
 def test_training_prompts_are_the_demos_and_held_out_sets_are_disjoint(tmp_path):
-    from speculators_peagle_plugin.data import load_prompts
-    from speculators_peagle_plugin.evaluate import load_prompt_set
+    from speculators_peagle_plugin.data.dataset import load_prompts
+    from speculators_peagle_plugin.data.prompts import load_prompt_set
 
     config = demo.DemoConfig(run_dir=str(tmp_path))
     path = tmp_path / "p.jsonl"
@@ -373,7 +374,7 @@ def fake_pipeline(monkeypatch, tmp_path):
     cli = FakeCli()
     monkeypatch.setattr(demo, "_command", cli)
     yaml = tmp_path / "demo.yaml"
-    yaml.write_text((demo.REPO / "configs" / "demo_smollm2.yaml").read_text())
+    yaml.write_text(Path(demo.DemoConfig.train_config).read_text())
     return cli, built, yaml, target
 
 

@@ -13,16 +13,17 @@ from tiny import MASK_TOKEN, tiny_config, tiny_draft, tiny_target
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from speculators_peagle_plugin import attention, generate_cod_sample_indices
-from speculators_peagle_plugin import draft as draft_module
-from speculators_peagle_plugin.draft import (
+from speculators_peagle_plugin import generate_cod_sample_indices
+from speculators_peagle_plugin.kernels import attention
+from speculators_peagle_plugin.kernels.fused_kl import fused_linear_kl
+from speculators_peagle_plugin.model import peagle_draft as draft_module
+from speculators_peagle_plugin.model.peagle_draft import (
     PEagleDraftModel,
     _apply_rotary,
     _rms_norm,
     _RMSNormFunction,
 )
-from speculators_peagle_plugin.loss import fused_linear_kl
-from speculators_peagle_plugin.trainer import _kl_div_loss
+from speculators_peagle_plugin.training.peagle_trainer import _kl_div_loss
 
 
 def saved_weights(path):
@@ -250,7 +251,7 @@ def test_block_sparse_attention_skips_padding_and_empty_rows():
 
 @pytest.mark.parametrize("weight_grad", [True, False])
 def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad):
-    from speculators_peagle_plugin import loss
+    from speculators_peagle_plugin.kernels import fused_kl as loss
 
     monkeypatch.setattr(loss, "CHUNK_ROWS", 7)  # several chunks and a ragged tail
     gen = torch.Generator().manual_seed(0)
@@ -276,7 +277,7 @@ def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad)
 def test_fused_linear_kl_under_autocast_runs_its_matmuls_in_bfloat16():
     """Mixed precision: the lm_head products in bfloat16 (as nn.Linear's under autocast),
     the softmax / KL in float32, float32 gradients; oracle: float64 on the same roundings."""
-    from speculators_peagle_plugin import loss
+    from speculators_peagle_plugin.kernels import fused_kl as loss
 
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(30, 64, generator=gen, requires_grad=True)

@@ -22,14 +22,11 @@ from tiny_vllm import (
 from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.evaluate import (
-    VllmWorker,
-    load_prompt_set,
-    render_prompts,
-    summarize,
-)
-from speculators_peagle_plugin.lint import CPU_HEAD_DIMS
-from speculators_peagle_plugin.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
+from speculators_peagle_plugin.evaluation.harness import summarize
+from speculators_peagle_plugin.serving.check import CPU_HEAD_DIMS
+from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.serving.vllm_client import VllmWorker
 
 K = 3
 

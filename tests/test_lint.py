@@ -19,8 +19,8 @@ from tiny_vllm import (
 )
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.lint import check_checkpoint, export_checkpoint
-from speculators_peagle_plugin.reference import ReferenceRuntime
+from speculators_peagle_plugin.serving.check import check_checkpoint, export_checkpoint
+from speculators_peagle_plugin.serving.reference import ReferenceRuntime
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from speculators_peagle_plugin import (
     generate_cod_sample_indices,
     lengths_from_document_ids,
 )
-from speculators_peagle_plugin.masks import document_starts
+from speculators_peagle_plugin.core.peagle_attention import document_starts
 
 EXAMPLE_ANCHOR = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 4, 0, 3, 0])
 EXAMPLE_DEPTH = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3])

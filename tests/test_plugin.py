@@ -7,13 +7,12 @@ from click.testing import CliRunner
 from tiny import tiny_config
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.plugin import (
-    PEAGLE,
+from speculators_peagle_plugin.model.build import (
     SPECULATORS_REGISTRY_NAME,
-    discover_algorithms,
-    load_algorithm,
     register_with_speculators,
 )
+from speculators_peagle_plugin.plugin import PEAGLE
+from speculators_peagle_plugin.training.algorithm import discover_algorithms, load_algorithm
 
 
 def test_a_third_party_algorithm_is_discovered_listed_and_loaded(third_party_algorithm):
@@ -45,7 +44,7 @@ def test_registration_is_idempotent_and_leaves_speculators_peagle_first():
     from speculators.model import SpeculatorModel
     from speculators.models.peagle import PEagleDraftModel as SpeculatorsPEagle
 
-    from speculators_peagle_plugin.draft import PEagleDraftModel
+    from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
 
     assert register_with_speculators() == SPECULATORS_REGISTRY_NAME
     assert register_with_speculators() == SPECULATORS_REGISTRY_NAME

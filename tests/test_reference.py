@@ -17,7 +17,7 @@ from tiny_vllm import (
 )
 from transformers import LlamaForCausalLM
 
-from speculators_peagle_plugin.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 from tiny import tiny_tokenizer
 
-from speculators_peagle_plugin.tokens import choose_mask_token_id, mask_token_problem
+from speculators_peagle_plugin.model.mask_token import choose_mask_token_id, mask_token_problem
 
 BASE = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

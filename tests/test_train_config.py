@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from speculators_peagle_plugin.cli import build_train_config
-from speculators_peagle_plugin.config import CODConfig, TrainConfig
+from speculators_peagle_plugin.core.config import CODConfig
+from speculators_peagle_plugin.training.config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 REQUIRED = {"verifier_name_or_path": "/m", "data_path": "/d"}

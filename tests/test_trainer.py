@@ -9,8 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from speculators_peagle_plugin import dense_peagle_mask, generate_cod_sample_indices
-from speculators_peagle_plugin.masks import lengths_from_document_ids
-from speculators_peagle_plugin.trainer import PEagleTrainerModule, _kl_div_loss
+from speculators_peagle_plugin.core.peagle_attention import lengths_from_document_ids
+from speculators_peagle_plugin.training.peagle_trainer import PEagleTrainerModule, _kl_div_loss
 
 K = 4
 
@@ -288,7 +288,7 @@ def test_llama_qwen3_and_sliding_window_match_dense_mask(model_type, window):
     n = anchor.shape[0]
     q = torch.randn(1, 4, n, 16, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    from speculators_peagle_plugin.attention import peagle_attention
+    from speculators_peagle_plugin.kernels.attention import peagle_attention
 
     got = peagle_attention(q, k, v, masks[0], 0.25)
     allowed = dense_peagle_mask(

@@ -22,8 +22,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from speculators_peagle_plugin.draft import PEagleDraftModel
-from speculators_peagle_plugin.trainer import PEagleTrainerModule
+from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
+from speculators_peagle_plugin.training.peagle_trainer import PEagleTrainerModule
 
 VOCAB, HIDDEN, LAYERS, LAYER_IDS = 272, 128, 4, (1, 2, 3)
 MASK_TOKEN = 259  # first embedding row past the tokenizer's 259 tokens
@@ -240,7 +240,7 @@ def trained_target_and_draft(root: Path, num_depths: int = 3) -> tuple[str, Path
 
     Built once per ``root`` (tests pass a session-wide directory) and reused after.
     """
-    from speculators_peagle_plugin.reference import ReferenceRuntime
+    from speculators_peagle_plugin.serving.reference import ReferenceRuntime
 
     root = Path(root)
     done = root / "prompts.json"  # written last: its presence means the rest is complete

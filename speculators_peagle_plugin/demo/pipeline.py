@@ -37,7 +37,6 @@ from pathlib import Path
 
 __all__ = ["DemoConfig", "DemoError", "run_demo", "quick_config"]
 
-REPO = Path(__file__).resolve().parents[1]
 STATE_FILE = "stages.json"
 SUMMARY_FILE = "demo.json"
 BUDGET_S = 30 * 60
@@ -54,7 +53,7 @@ class DemoConfig:
     Args:
         run_dir: directory for everything the demo writes (resumed if it exists).
         train_config: the training YAML given to ``speculators-peagle train --config``.
-        train_prompts / eval_prompts: prompt-set specs (``evaluate.load_prompt_set``);
+        train_prompts / eval_prompts: prompt-set specs (``data.prompts.load_prompt_set``);
             the eval sets must not overlap the training sets.
         max_new_tokens: reply length cap when generating training data.
         num_samples / temperature: replies sampled per training prompt, at this temperature.
@@ -72,7 +71,7 @@ class DemoConfig:
     """
 
     run_dir: str = "runs/demo"
-    train_config: str = str(REPO / "configs" / "demo_smollm2.yaml")
+    train_config: str = str(Path(__file__).with_name("demo_smollm2.yaml"))
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
     eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]")
     max_new_tokens: int = 200
@@ -97,8 +96,8 @@ class DemoConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        from .data import BACKENDS
-        from .evaluate import DTYPES
+        from ..data.dataset import BACKENDS
+        from ..evaluation.harness import DTYPES
 
         if self.gen_backend not in BACKENDS:
             raise ValueError(
@@ -220,7 +219,7 @@ def write_prompts(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], pat
     ``ValueError`` if an eval conversation is also a training one (it would not be held out).
     Example: ("humaneval[0:120]", "chat[0:100]") -> 220 rows.
     """
-    from .evaluate import load_prompt_set
+    from ..data.prompts import load_prompt_set
 
     rows = [c for spec in train_specs for c in load_prompt_set(spec).conversations]
     seen = {json.dumps(c, sort_keys=True) for c in rows}
@@ -238,7 +237,7 @@ def write_prompts(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], pat
 
 
 def _train_config(config: DemoConfig, target: Path, data: Path, save: Path):
-    from .config import TrainConfig
+    from ..training.config import TrainConfig
 
     return TrainConfig.from_sources(
         config.train_config, verifier_name_or_path=str(target), data_path=str(data),
@@ -251,7 +250,7 @@ def save_untrained_draft(train_config, output: Path) -> None:
 
     Atomic: written to a temporary sibling and renamed.
     """
-    from .loop import build_training
+    from ..training.loop import build_training
 
     save_atomically(build_training(train_config).draft, output)
 
@@ -303,8 +302,8 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
     Raises ``ValueError`` for bad input or a run directory made with other settings, and
     :class:`DemoError` when a stage fails.
     """
-    from .loop import checkpoint_dirs
-    from .models import materialise_smollm2
+    from ..training.loop import checkpoint_dirs
+    from .smollm2 import materialise_smollm2
 
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -418,7 +417,7 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> dict:
 
 
 def _summarise(config, stages, outputs, checkpoint, wall_s, echo) -> dict:
-    from .evaluate import format_table
+    from ..evaluation.harness import format_table
 
     record = json.loads(Path(outputs["record"]).read_text())
     seconds = stages.seconds()

@@ -28,8 +28,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
 )
 
-from .attention import PeagleMask, peagle_attention, resolve_attention_impl
-from .masks import document_ids_from_lengths
+from ..core.peagle_attention import document_ids_from_lengths
+from ..kernels.attention import PeagleMask, peagle_attention, resolve_attention_impl
 
 __all__ = [
     "PEagleDraftModel",

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CODConfig, check_int_at_least
-from .loss import fused_linear_kl
-from .masks import document_starts, lengths_from_document_ids
-from .sampling import assign_cod_segments, generate_cod_sample_indices
+from ..core.config import CODConfig, check_int_at_least
+from ..core.peagle_attention import document_starts, lengths_from_document_ids
+from ..core.peagle_data import assign_cod_segments, generate_cod_sample_indices
+from ..kernels.fused_kl import fused_linear_kl
 
 __all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "_PeaglePlan", "_kl_div_loss"]
 

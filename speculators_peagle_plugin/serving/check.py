@@ -166,7 +166,7 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Parameter shapes the config implies, from the draft class built on the meta device."""
     from speculators.models.peagle.config import PEagleSpeculatorConfig
 
-    from .draft import PEagleDraftModel
+    from ..model.peagle_draft import PEagleDraftModel
 
     with torch.device("meta"):
         draft = PEagleDraftModel(PEagleSpeculatorConfig.from_dict(dict(config)))
@@ -634,7 +634,7 @@ def _check_target(cfg, layer, target: Path, mask_id, device) -> list[Finding]:
                 )
             )
         else:
-            from .tokens import mask_token_problem
+            from ..model.mask_token import mask_token_problem
 
             problem = mask_token_problem(tokenizer, mask_id, tcfg.vocab_size)
             if problem:

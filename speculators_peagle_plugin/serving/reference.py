@@ -39,7 +39,7 @@ import torch
 from speculators.models.peagle.config import PEagleSpeculatorConfig
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from .draft import PEagleDraftModel
+from ..model.peagle_draft import PEagleDraftModel
 
 __all__ = [
     "ReferenceRuntime",

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import check_int_at_least
+from ..core.config import check_int_at_least
+from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 
 __all__ = [
     "DataError",
@@ -158,7 +159,7 @@ class DataGenConfig:
     backend: str = "transformers"
     kv_cache_gb: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE
     max_samples: int | None = None
     seed: int = 0
     dtype: str = "float32"
@@ -361,7 +362,7 @@ class _Target:
             raise ValueError(f"--target {config.target} defines no end-of-sequence token.")
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.eos_ids[0] if pad is None else pad
-        self.vllm = None  # a running evaluate.VllmWorker while the vllm backend generates
+        self.vllm = None  # a running VllmWorker while the vllm backend generates
 
     def prompt_ids(self, turns: list[dict]) -> list[int]:
         return list(
@@ -377,7 +378,7 @@ class _Target:
         if self.config.backend != "vllm":
             yield
             return
-        from .evaluate import VllmWorker
+        from ..serving.vllm_client import VllmWorker
 
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.

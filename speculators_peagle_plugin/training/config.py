@@ -1,58 +1,12 @@
-"""The P-EAGLE algorithm's knobs: one typed, validated place for each default.
-
-The sampler's signature, the trainer, the CLI and the saved checkpoint all read
-their defaults from :class:`CODConfig`; nothing else repeats them.
-"""
+"""``speculators-peagle train``'s settings: one typed, validated place for each default."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import get_args, get_origin, get_type_hints
 
-
-def _fail(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-
-
-def check_int_at_least(name: str, value: object, low: int) -> int:
-    """Return ``value`` if it is an int >= ``low``; else raise a one-sentence ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        _fail(name, value, f"an integer >= {low}")
-    return value
-
-
-@dataclass(frozen=True)
-class CODConfig:
-    """Conditional-On-Distribution sampling knobs (P-EAGLE paper, §3).
-
-    Args:
-        num_depths: parallel prediction depths ``K`` (>= 1); depth 0 is the real context.
-        down_sample_ratio: geometric decay ``r`` in (0, 1]; depth ``d`` keeps about
-            ``r**d`` of the supervised positions.
-        down_sample_ratio_min: floor ``r_min`` in [0, 1] on that fraction.
-        max_anchors: optional cap on how many chains may start (speculators' knob).
-    """
-
-    num_depths: int = 8
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-    max_anchors: int | None = None
-
-    def __post_init__(self) -> None:
-        check_int_at_least("num_depths", self.num_depths, 1)
-        r = self.down_sample_ratio
-        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 < r <= 1.0:
-            _fail("down_sample_ratio", r, "a number in (0, 1]")
-        r_min = self.down_sample_ratio_min
-        if isinstance(r_min, bool) or not isinstance(r_min, int | float) or not 0.0 <= r_min <= 1.0:
-            _fail("down_sample_ratio_min", r_min, "a number in [0, 1]")
-        if self.max_anchors is not None:
-            check_int_at_least("max_anchors", self.max_anchors, 1)
-
-    def depth_sample_size(self, n_valid: int, depth: int) -> int:
-        """Elements drawn at ``depth >= 1``: ``int((n_valid - d) * max(r**d, r_min))``."""
-        ratio = max(self.down_sample_ratio**depth, self.down_sample_ratio_min)
-        return int(max(0, n_valid - depth) * ratio)
+from ..core.config import CODConfig, _fail, check_int_at_least
+from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
 
 
 def _coerce(name: str, value, hint):
@@ -97,7 +51,9 @@ class TrainConfig:
     algorithm: str = _opt("peagle", "Drafting algorithm (entry point speculators.algorithms).")
     num_layers: int = _opt(1, "Number of draft decoder layers.")
     draft_arch: str = _opt("llama", "Draft decoder layer type.", choices=("llama", "qwen3"))
-    draft_vocab_size: int = _opt(8192, "Draft vocabulary size (d2t/t2d from token_freq.pt).")
+    draft_vocab_size: int = _opt(
+        DEFAULT_DRAFT_VOCAB_SIZE, "Draft vocabulary size (d2t/t2d from token_freq.pt)."
+    )
     mask_token_id: int | None = _opt(
         None, "Token id for the K-1 mask slots; default: one the tokenizer never produces."
     )
@@ -105,7 +61,8 @@ class TrainConfig:
         None, "Aux hidden-state layer ids of the target; default: those the data was made with."
     )
     sliding_window: int | None = _opt(
-        2048, "Sliding window of the draft layers (speculators' default); none = full attention."
+        DEFAULT_SLIDING_WINDOW,
+        "Sliding window of the draft layers (speculators' default); none = full attention.",
     )
     full_attention_indices: tuple[int, ...] = _opt((), "Draft layers that use full attention.")
     num_key_value_heads: int | None = _opt(

@@ -32,7 +32,11 @@ from typing import Literal, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .masks import create_peagle_mask_mod, document_starts, lengths_from_document_ids
+from ..core.peagle_attention import (
+    create_peagle_mask_mod,
+    document_starts,
+    lengths_from_document_ids,
+)
 
 logger = logging.getLogger(__name__)
 

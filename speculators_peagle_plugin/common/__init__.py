@@ -1,0 +1,1 @@
+"""Small helpers every layer shares: atomic files, dtype names."""

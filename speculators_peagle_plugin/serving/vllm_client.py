@@ -1,0 +1,91 @@
+"""The client side of the out-of-process vLLM worker (``vllm_worker.py``).
+
+vLLM runs in its own process, so its engine, threads and memory never enter the caller's;
+the two talk JSON lines over the worker's stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
+
+
+class VllmWorker:
+    """The out-of-process vLLM runner (``vllm_worker.py``); one per evaluation.
+
+    Args:
+        log_path: file that receives everything vLLM prints.
+        in_process: see :class:`EvalConfig`.
+        kv_cache_gb: ``VLLM_CPU_KVCACHE_SPACE`` for the worker.
+
+    Use as a context manager; :meth:`run` sends one job and returns its result,
+    calling ``on_event`` for every ``engine`` / ``progress`` message. A job vLLM
+    cannot run, or one whose engine does not draft in parallel, raises ``RuntimeError``.
+    """
+
+    def __init__(self, log_path: str | Path, in_process=False, kv_cache_gb=None):
+        if not WORKER.is_file():
+            raise RuntimeError(f"the vLLM worker script {str(WORKER)!r} is missing.")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
+        if kv_cache_gb is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            text=True, bufsize=1, env=env,
+        )  # fmt: skip
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(
+                f"the vLLM worker exited (code {code}); its log {str(self.log_path)!r} ends: "
+                + " | ".join(tail)
+            )
+        return json.loads(line)
+
+    def run(self, job: dict, on_event: Callable[[dict], None] | None = None) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "run", "job": job}) + "\n")
+        self.proc.stdin.flush()
+        engine = None
+        while True:
+            message = self._read()
+            event = message["event"]
+            if event == "error":
+                raise RuntimeError(f"vLLM could not run the job: {message['message']}")
+            if event == "engine":
+                engine = {k: v for k, v in message.items() if k != "event"}
+            if on_event is not None and event in ("engine", "progress"):
+                on_event(message)
+            if event == "result":
+                message["engine"] = engine
+                return message
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
