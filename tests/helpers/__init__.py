@@ -1,0 +1,1 @@
+"""Shared test helpers: oracles (the slow, obviously-right references) and input makers."""
