@@ -47,5 +47,5 @@ def masked_attention(q, k, v, allowed, scale) -> torch.Tensor:
 
 def kl_target_draft(target_logits, draft_logits) -> torch.Tensor:
     """``KL(softmax(target) || softmax(draft))`` per row, summed over the last axis."""
-    p = torch.softmax(target_logits, -1)
-    return (p * (torch.log_softmax(target_logits, -1) - torch.log_softmax(draft_logits, -1))).sum(-1)
+    log_p = torch.log_softmax(target_logits, -1)
+    return (log_p.exp() * (log_p - torch.log_softmax(draft_logits, -1))).sum(-1)
