@@ -30,16 +30,25 @@ def algorithms() -> None:
 
 def _gen_help(text: str, name: str) -> str:
     """Help text showing DataGenConfig's default, so the default lives in one place."""
-    from .data.dataset import DataGenConfig
+    from .data.config import DataGenConfig
 
     default = next(f.default for f in dataclasses.fields(DataGenConfig) if f.name == name)
     return f"{text} [default: {default}]"
 
 
+def _gen_choices(name: str) -> click.Choice:
+    """The values DataGenConfig accepts for ``name`` (its check reads the same list)."""
+    from .common.dtypes import DTYPE_NAMES
+    from .data.config import BACKENDS
+
+    return click.Choice({"backend": BACKENDS, "dtype": DTYPE_NAMES}[name])
+
+
 @main.command("generate-data")
 @click.option("--target", required=True, help="Local transformers target model directory.")
-@click.option("--prompts", required=True, help="Prompts .jsonl (messages/conversations/prompt) "
-              "or a dataset saved with save_to_disk.")  # fmt: skip
+@click.option("--prompts", required=True, help="Prompt set, as eval --prompts takes it: "
+              "humaneval, chat, a .jsonl file (messages/conversations/prompt rows) or a dataset "
+              "saved with save_to_disk, optionally sliced like chat[100:].")  # fmt: skip
 @click.option("--output", required=True, help="Output directory (resumed if it exists).")
 @click.option("--max-new-tokens", type=int, help=_gen_help("Tokens per reply.", "max_new_tokens"))
 @click.option("--temperature", type=float, help=_gen_help("0 = greedy.", "temperature"))
@@ -48,8 +57,8 @@ def _gen_help(text: str, name: str) -> str:
 @click.option("--num-samples", type=int,
               help=_gen_help("Replies per prompt (> 1 needs --temperature > 0).",
                              "num_samples"))  # fmt: skip
-@click.option("--backend", type=click.Choice(["transformers", "vllm"]),
-              help=_gen_help("What generates the replies (vllm: ~5x faster on CPU; hidden "
+@click.option("--backend", type=_gen_choices("backend"),
+              help=_gen_help("What generates the replies (vllm: continuous batching; hidden "
                              "states always come from transformers).", "backend"))  # fmt: skip
 @click.option("--kv-cache-gb", type=int,
               help=_gen_help("vLLM's CPU KV cache in GiB (vllm backend).",
@@ -60,15 +69,15 @@ def _gen_help(text: str, name: str) -> str:
               help=_gen_help("Size of the d2t/t2d written.", "draft_vocab_size"))  # fmt: skip
 @click.option("--max-samples", type=int, help="Use only the first N prompts.")
 @click.option("--seed", type=int, help=_gen_help("Sampling seed.", "seed"))
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+@click.option("--dtype", type=_gen_choices("dtype"),
               help=_gen_help("Target dtype, also the hidden states' dtype.", "dtype"))  # fmt: skip
 @click.option("--device", help=_gen_help("Torch device of the target.", "device"))
 def generate_data(target_layer_ids: str | None, **options) -> None:
     """Regenerate replies with the target and write speculators-format training data."""
     import logging
 
-    from .data.dataset import DataGenConfig
-    from .data.dataset import generate_data as run_generation
+    from .data.build import generate_data as run_generation
+    from .data.config import DataGenConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     values = {k: v for k, v in options.items() if v is not None}

@@ -28,17 +28,21 @@ from speculators.train.vocab_mapping import (
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import dataset as data_mod
-from speculators_peagle_plugin.data.dataset import (
+from speculators_peagle_plugin.common.files import TMP_MARK
+from speculators_peagle_plugin.data import (
     DataError,
     DataGenConfig,
     PackedBatches,
     capture_hidden_states,
     completion_tokens,
     generate_data,
+    load_prompts,
     open_training_data,
     pack_rows,
 )
+from speculators_peagle_plugin.data import capture as capture_mod
+from speculators_peagle_plugin.data import generation as gen_mod
+from speculators_peagle_plugin.data.prompts import load_prompt_set, resolved_spec
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -138,6 +142,11 @@ def hs_files(path):
     return sorted((Path(path) / "hidden_states").iterdir())
 
 
+def leftovers(path):
+    """What an interrupted atomic write leaves (common.files' temporary names)."""
+    return [p for p in Path(path).rglob("*") if TMP_MARK in p.name]
+
+
 # ---------------------------------------------------------------------------------------------
 # generate-data
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +158,7 @@ def test_generate_data_cli_writes_speculators_format(generated):
     assert n == sum(len(turns) for _, turns in PROMPT_ROWS if turns)
     assert {"input_ids", "loss_mask", "seq_len"} <= set(dataset.column_names)
     assert [p.name for p in hs_files(generated)] == sorted(f"hs_{i}.safetensors" for i in range(n))
-    assert not list(generated.rglob("*.tmp")) and not (generated / "responses").exists()
+    assert not leftovers(generated) and not (generated / "responses").exists()
 
     # speculators' own reader, strict: every sample loads, with the packed shapes.
     reader = ArrowDataset(max_len=512, datapath=generated, on_missing="raise")
@@ -252,7 +261,7 @@ def test_rows_sharing_a_prefix_get_the_states_of_their_own_full_forward(target_d
 
     prefix = tokens(40)
     rows = [prefix + tokens(5), prefix + tokens(1), prefix + tokens(12), tokens(30), tokens(9)]
-    states_of = data_mod._PrefixStates(model, LAYER_IDS)
+    states_of = capture_mod._PrefixStates(model, LAYER_IDS)
     for i, row in enumerate(rows):
         got = states_of(row, rows[i + 1] if i + 1 < len(rows) else None)
         with torch.no_grad():
@@ -268,9 +277,50 @@ def test_completion_is_cut_after_the_first_eos():
     assert completion_tokens([5, 7, 8], [2]) == [5, 7, 8]  # hit max_new_tokens
 
 
+def test_generation_reads_prompts_through_the_eval_reader(prompts_path, tmp_path, monkeypatch):
+    """One reader for both: every row shape, saved datasets, built-in sets and slices; for
+    generation only the system/user turns are kept (the target writes every reply)."""
+    expected = [sum(turns, []) for _, turns in PROMPT_ROWS if turns]
+    assert load_prompts(prompts_path) == expected
+    assert load_prompts(prompts_path, max_samples=2) == expected[:2]
+    assert load_prompts(f"{prompts_path}[1:3]") == expected[1:3]  # usable rows are sliced
+    assert load_prompts("chat[0:2]") == load_prompt_set("chat[0:2]").conversations
+    rows = [
+        "a plain string",
+        {"instruction": "do this", "input": "with that"},
+        {"prompt": [{"role": "user", "content": "listed"}, {"role": "tool", "content": "r"}]},
+        {"messages": [{"role": "system", "content": ""}, {"from": "human", "value": "hi"}]},
+    ]
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    user = [[{"role": "user", "content": t}] for t in ("a plain string", "do this\n\nwith that")]
+    assert load_prompts(more) == [
+        *user,
+        *[[{"role": "user", "content": t}] for t in ("listed", "hi")],
+    ]
+    saved = tmp_path / "saved"
+    Dataset.from_list([{"prompt": "x"}, {"prompt": "y"}]).save_to_disk(str(saved))
+    assert load_prompts(saved) == [[{"role": "user", "content": t}] for t in "xy"]
+    assert load_prompt_set(f"{saved}[1:]").conversations == [[{"role": "user", "content": "y"}]]
+    monkeypatch.chdir(tmp_path)
+    assert resolved_spec("more.jsonl") == str(more.resolve())
+    assert resolved_spec("more.jsonl[1:2]") == f"{more.resolve()}[1:2]"
+    assert resolved_spec("chat[1:]") == "chat[1:]"
+
+
+def test_generate_data_takes_a_sliced_prompt_set(target_dir, prompts_path, tmp_path):
+    out = tmp_path / "data"
+    spec = f"{prompts_path}[3:5]"
+    result = CliRunner().invoke(main, gen_args(target_dir, spec, out))
+    assert result.exit_code == 0, result.output
+    assert len(load_from_disk(str(out))) == 2  # two single-turn prompts
+    settings = json.loads((out / "generation_settings.json").read_text())
+    assert settings["prompts"] == f"{prompts_path.resolve()}[3:5]"
+
+
 def test_sampling_is_seeded_and_overrides_the_checkpoints_defaults(target_dir, prompts_path):
     base = {"target": str(target_dir), "prompts": str(prompts_path), "output": "unused"}
-    target = data_mod._Target(DataGenConfig(**base, max_new_tokens=8))
+    target = gen_mod.Target(DataGenConfig(**base, max_new_tokens=8))
     with torch.no_grad():  # a peaked next-token distribution: low temperature == greedy
         target.model.lm_head.weight.mul_(40.0)
     prompts = [target.prompt_ids([{"role": "user", "content": t}]) for t in ("hello", "the fox")]
@@ -306,18 +356,21 @@ def test_resume_rewrites_only_missing_or_bad_hidden_state_files(
     wrong = dict(originals["hs_4.safetensors"])
     wrong["token_ids"] = wrong["token_ids"].flip(0).contiguous()
     save_file(wrong, hs / "hs_4.safetensors")  # another sample's file
-    (hs / "hs_2.safetensors.tmp").write_bytes(b"killed mid-write")
+    # what writers killed mid-write leave: a file and the dataset's staging directory
+    (hs / f".hs_2.safetensors{TMP_MARK}4242").write_bytes(b"killed mid-write")
+    (out / f".dataset{TMP_MARK}4242").mkdir()
+    (out / f".dataset{TMP_MARK}4242" / "state.json").write_text("{}")
     rewritten = {"hs_1.safetensors", "hs_3.safetensors", "hs_4.safetensors"}
     kept = {
         p.relative_to(out): stat(p)
         for p in out.rglob("*")
-        if p.is_file() and p.name not in rewritten and not p.name.endswith(".tmp")
+        if p.is_file() and p.name not in rewritten and TMP_MARK not in str(p)
     }
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the replies are complete; nothing must be regenerated")
 
-    monkeypatch.setattr(data_mod._Target, "generate", no_generation)
+    monkeypatch.setattr(gen_mod.Target, "generate", no_generation)
     result = CliRunner().invoke(main, gen_args(target_dir, prompts_path, out))
     assert result.exit_code == 0, result.output
     assert [p.name for p in hs_files(out)] == sorted(originals)
@@ -327,7 +380,7 @@ def test_resume_rewrites_only_missing_or_bad_hidden_state_files(
         torch.testing.assert_close(again["hidden_states"], tensors["hidden_states"])
     for rel, before in kept.items():  # complete, valid files untouched
         assert stat(out / rel) == before, rel
-    assert not list(out.rglob("*.tmp"))
+    assert not leftovers(out)
 
 
 def test_resume_after_interrupted_generation_skips_finished_batches(
@@ -338,7 +391,7 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
         target=str(target_dir), prompts=str(prompts_path), output=str(out),
         max_new_tokens=MAX_NEW, batch_size=2, target_layer_ids=LAYER_IDS, draft_vocab_size=40,
     )  # fmt: skip
-    real = data_mod._regenerate
+    real = gen_mod._regenerate
     calls = []
 
     def interrupted(target, conversations, seed):
@@ -347,14 +400,14 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
             raise KeyboardInterrupt
         return real(target, conversations, seed)
 
-    monkeypatch.setattr(data_mod, "_regenerate", interrupted)
+    monkeypatch.setattr(gen_mod, "_regenerate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         generate_data(config)
     assert len(list((out / "responses").glob("*.json"))) == 1
     assert not (out / "state.json").exists() and not (out / "hidden_states").exists()
 
     calls.clear()
-    monkeypatch.setattr(data_mod, "_regenerate", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(gen_mod, "_regenerate", lambda *a: calls.append(len(a[1])) or real(*a))
     data = generate_data(config)
     n_prompts = sum(1 for _, turns in PROMPT_ROWS if turns)
     assert sum(calls) == n_prompts - 2  # the first batch of 2 was not regenerated
@@ -397,7 +450,7 @@ def no_template_target(tmp_path_factory):
     [
         ("missing_prompts", "does not exist"),
         ("empty_prompts", "holds no usable prompt"),
-        ("bad_json", "line 2 is not valid JSON"),
+        ("bad_json", "bad.jsonl:2 is not valid JSON"),
         ("layer_out_of_range", "--target-layer-ids must be integers in [0, 4)"),
         ("layer_not_int", "is not a comma-separated list of integers"),
         ("draft_vocab_too_big", "--draft-vocab-size 1000 exceeds the target's vocabulary size"),

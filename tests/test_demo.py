@@ -265,8 +265,7 @@ def test_stages_skip_finished_work_and_refuse_other_settings(tmp_path):
 
 
 def test_training_prompts_are_the_demos_and_held_out_sets_are_disjoint(tmp_path):
-    from speculators_peagle_plugin.data.dataset import load_prompts
-    from speculators_peagle_plugin.data.prompts import load_prompt_set
+    from speculators_peagle_plugin.data.prompts import load_prompt_set, load_prompts
 
     config = demo.DemoConfig(run_dir=str(tmp_path))
     path = tmp_path / "p.jsonl"

@@ -17,7 +17,7 @@ from tiny import tiny_tokenizer, tiny_workdir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data.dataset import PackedBatches
+from speculators_peagle_plugin.data import PackedBatches
 from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.loop import (
     CHECKPOINT_PREFIX,

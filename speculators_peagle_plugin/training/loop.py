@@ -475,7 +475,7 @@ def build_training(config: TrainConfig) -> TrainingSetup:
     """
     from transformers import AutoConfig
 
-    from ..data.dataset import PackedBatches, default_target_layer_ids, open_training_data
+    from ..data import PackedBatches, default_target_layer_ids, open_training_data
 
     world = _World.from_env(config.device)
     if world.device.type == "cpu" and config.autocast != "none":

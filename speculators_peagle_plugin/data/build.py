@@ -1,0 +1,142 @@
+"""``generate-data``: the target's replies, the Arrow dataset, hidden states, vocab mapping.
+
+Each phase is resumable: a re-run with the same settings skips what is complete and valid, and
+every file is written under a temporary name and renamed (``common.files``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
+from .capture import write_hidden_states
+from .config import (
+    HIDDEN_STATES_DIR,
+    RESPONSES_DIR,
+    SETTINGS_FILE,
+    TOKEN_FREQ_FILE,
+    DataGenConfig,
+    default_target_layer_ids,
+)
+from .dataset import TrainingData, open_training_data
+from .generation import Target, generate_responses
+from .prompts import load_prompts, resolved_spec
+
+# generate-data refuses to resume into a directory made with other values of these.
+_IDENTITY_KEYS = (
+    "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
+    "temperature", "top_p", "seed", "dtype", "backend", "num_samples",
+)  # fmt: skip
+
+
+def _settings(config: DataGenConfig, model_config) -> dict:
+    text_config = getattr(model_config, "text_config", model_config)
+    num_layers = text_config.num_hidden_layers
+    layer_ids = config.target_layer_ids or default_target_layer_ids(num_layers)
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad or not layer_ids:
+        raise ValueError(
+            f"--target-layer-ids must be integers in [0, {num_layers}) for this "
+            f"{num_layers}-layer target, got {list(layer_ids)}."
+        )
+    if config.draft_vocab_size > text_config.vocab_size:
+        raise ValueError(
+            f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
+            f"size {text_config.vocab_size}."
+        )
+    settings = asdict(config)
+    settings.update(
+        target=str(Path(config.target).resolve()),
+        prompts=resolved_spec(config.prompts),
+        target_layer_ids=list(layer_ids),
+        target_vocab_size=text_config.vocab_size,
+        target_hidden_size=text_config.hidden_size,
+        target_num_layers=num_layers,
+    )
+    for key in ("output", "batch_size", "draft_vocab_size", "device", "kv_cache_gb"):
+        del settings[key]  # free to change between a run and its resume
+    return settings
+
+
+def _check_output(output: Path, settings: dict) -> bool:
+    """Whether ``output`` is a resumable run of the same settings; raise if it is another's."""
+    settings_path = output / SETTINGS_FILE
+    if settings_path.exists():
+        old = json.loads(settings_path.read_text())
+        for key in _IDENTITY_KEYS:
+            if old.get(key) != settings[key]:
+                raise ValueError(
+                    f"--output {output} was made with different settings ({key}: "
+                    f"{old.get(key)!r} there, {settings[key]!r} now); use a new --output "
+                    "directory or the original settings to resume."
+                )
+        return True
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(
+            f"--output {output} is not an empty directory and was not made by generate-data "
+            f"(no {SETTINGS_FILE}); choose a new or empty directory."
+        )
+    return False
+
+
+def _write_dataset(rows: list[dict], output: Path, tokenizer) -> None:
+    """The Arrow dataset (speculators' own pass-through preprocessing) + token_freq.pt."""
+    from datasets import Dataset
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    raw = Dataset.from_dict(
+        {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]}
+    )
+    longest = max(len(r["input_ids"]) for r in rows)
+    dataset = build_speculator_training_dataset(raw, tokenizer, max_length=longest, num_proc=1)
+    if len(dataset) == 0:
+        raise ValueError("No regenerated conversation has a supervised token; nothing to write.")
+    # The dataset's files join settings and resume state in ``output``, so they are moved in
+    # one by one rather than as one directory.
+    staging = temporary_name(output / "dataset")
+    dataset.save_to_disk(str(staging))
+    # state.json last: load_from_disk needs it, so a run killed mid-move rebuilds the dataset.
+    for name in sorted(os.listdir(staging), key=lambda n: n == "state.json"):
+        os.replace(staging / name, output / name)
+    staging.rmdir()
+    atomic_write(
+        output / TOKEN_FREQ_FILE,
+        lambda tmp: save_token_frequency_distribution(dataset, output_path=tmp),
+    )
+
+
+def generate_data(config: DataGenConfig) -> TrainingData:
+    """Regenerate the prompts' replies with the target and write speculators-format data.
+
+    Three resumable phases: replies (one JSON shard per batch), the Arrow dataset and
+    ``token_freq.pt``, then one hidden-state file per row; finally ``d2t``/``t2d`` for
+    ``config.draft_vocab_size``. Re-running skips what is complete and valid; every file is
+    written under a temporary name and renamed. Returns the opened data.
+    """
+    from transformers import AutoConfig
+
+    output = Path(config.output)
+    # Everything that can reject the input runs before the output directory is touched.
+    settings = _settings(config, AutoConfig.from_pretrained(config.target))
+    resuming = _check_output(output, settings)
+    prompts = load_prompts(config.prompts, config.max_samples)
+    target = Target(config)
+    if not resuming:
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(output / SETTINGS_FILE, settings)
+    for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
+        remove_stale_temporaries(directory)
+    if not ((output / "state.json").exists() and (output / TOKEN_FREQ_FILE).exists()):
+        rows = generate_responses(target, prompts, output)
+        _write_dataset(rows, output, target.tokenizer)
+    shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
+    layer_ids = tuple(settings["target_layer_ids"])
+    write_hidden_states(target.model, output, layer_ids)
+    data = open_training_data(output, num_aux_layers=len(layer_ids))
+    data.vocab_mapping(config.draft_vocab_size)
+    return data

@@ -1,0 +1,184 @@
+"""Hidden-state capture: one target forward per dataset row, written as ``hs_<i>.safetensors``.
+
+Legend: ``seq`` = tokens of one row, ``H`` = target hidden size. Slot ``k < n_aux`` holds
+transformers' ``hidden_states[L_k]`` (the residual stream after ``L_k`` decoder layers); the
+last slot holds the final residual stream BEFORE the final norm, caught by a hook on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..common.files import atomic_write
+from .config import HIDDEN_STATES_DIR, hs_path
+
+logger = logging.getLogger(__name__)
+
+MIN_SHARED_PREFIX = 16  # tokens; shorter shared prefixes are recomputed per row
+
+
+@torch.no_grad()
+def capture_hidden_states(
+    model: torch.nn.Module, input_ids: torch.Tensor, layer_ids: tuple[int, ...], cache=None
+):
+    """One target forward over a sample; returns its speculators hidden states.
+
+    Args:
+        model: a transformers causal LM (its decoder must have a final ``norm``).
+        input_ids: ``[seq]`` token ids.
+        layer_ids: aux layer ids; ``L`` = residual stream after ``L`` decoder layers.
+        cache: None, or a transformers ``DynamicCache`` holding a prefix: ``input_ids`` then
+            continues it, the cache grows by them, and only their states are returned.
+
+    Returns:
+        ``[seq, len(layer_ids) + 1, H]``: ``hidden_states[L]`` for each aux id, then the final
+        residual stream before the final norm. Example: 4 layers, ids (1, 2, 3) ->
+        ``[seq, 4, H]`` = states after layers 1, 2, 3 and the input of ``norm`` (after 4).
+    """
+    decoder = model.get_decoder()
+    norm = getattr(decoder, "norm", None)
+    if norm is None:
+        raise ValueError(
+            f"{type(decoder).__name__} has no final `norm` module to capture the last hidden "
+            "state before it."
+        )
+    captured = []
+    handle = norm.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    try:
+        out = decoder(
+            input_ids=input_ids[None], output_hidden_states=True,
+            past_key_values=cache, use_cache=cache is not None,
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured[-1][0]]
+    return torch.stack(states, dim=1)
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class _PrefixStates:
+    """Hidden states of rows that start alike (the samples of one prompt, the turns of one
+    conversation), computing their common prefix once and reusing its KV cache.
+
+    The prefix is the longest one the current row shares with the next (at least
+    ``MIN_SHARED_PREFIX`` tokens, and shorter than both); a row that does not start with the
+    current prefix gets a plain forward. Same states as a full forward up to float rounding.
+    """
+
+    def __init__(self, model, layer_ids: tuple[int, ...]):
+        self.model, self.layer_ids = model, layer_ids
+        self.device = next(model.parameters()).device
+        self.prefix: list[int] = []
+        self.prefix_states = self.cache = None
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int], next_ids: list[int] | None) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        device = self.device
+        p = len(self.prefix)
+        if not (p and len(ids) > p and ids[:p] == self.prefix):
+            shared = 0 if next_ids is None else _shared_prefix(ids, next_ids)
+            shared = min(shared, len(ids) - 1, len(next_ids or ()) - 1)
+            if shared < MIN_SHARED_PREFIX:
+                self.prefix, self.prefix_states, self.cache = [], None, None
+                return capture_hidden_states(
+                    self.model, torch.tensor(ids, device=device), self.layer_ids
+                )
+            self.prefix, self.cache = ids[:shared], DynamicCache()
+            self.prefix_states = capture_hidden_states(
+                self.model, torch.tensor(self.prefix, device=device), self.layer_ids, self.cache
+            )
+            p = shared
+        rest = capture_hidden_states(
+            self.model, torch.tensor(ids[p:], device=device), self.layer_ids, self.cache
+        )
+        self.cache.crop(p)  # back to the prefix for the next row
+        return torch.cat([self.prefix_states, rest])
+
+
+def _hs_file_problem(path: Path, input_ids: list[int], shape_tail: tuple[int, int]) -> str | None:
+    """Cheap completeness check of a written file (header, shape, token ids); None if fine."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            if {"hidden_states", "token_ids"} - set(fh.keys()):
+                return "lacks a tensor"
+            shape = fh.get_slice("hidden_states").get_shape()
+            token_ids = fh.get_tensor("token_ids").tolist()
+    except Exception as err:  # noqa: BLE001 - any unreadable file is regenerated
+        return f"unreadable ({err})"
+    if token_ids != input_ids or list(shape) != [len(input_ids), *shape_tail]:
+        return "of the wrong shape or tokens"
+    return None
+
+
+def _save_safetensors(tensors: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    path.chmod(0o644)  # safetensors creates 0600 files; data directories are often shared
+
+
+def _rows_to_capture(dataset, hs_dir: Path, shape_tail: tuple[int, int]) -> list[int]:
+    """Dataset rows without a valid ``hs_<i>.safetensors`` (a bad file is logged)."""
+    from speculators.data_generation.offline import get_existing_hidden_state_indices
+
+    existing = set(get_existing_hidden_state_indices(hs_dir))
+    todo = []
+    for i in range(len(dataset)):
+        if i in existing:
+            problem = _hs_file_problem(hs_path(hs_dir, i), dataset[i]["input_ids"], shape_tail)
+            if problem is None:
+                continue
+            logger.warning("Regenerating %s: %s.", hs_path(hs_dir, i), problem)
+        todo.append(i)
+    return todo
+
+
+def write_hidden_states(model, output: Path, layer_ids: tuple[int, ...]) -> int:
+    """Hidden states of each dataset row of ``output`` without a valid ``hs_<i>.safetensors``
+    (rows that start alike share their prefix's forward: :class:`_PrefixStates`).
+
+    Returns the number of files written.
+    """
+    from datasets import load_from_disk
+    from tqdm import tqdm
+
+    dataset = load_from_disk(str(output)).with_format(None)
+    hs_dir = output / HIDDEN_STATES_DIR
+    hs_dir.mkdir(exist_ok=True)
+    shape_tail = (len(layer_ids) + 1, model.config.get_text_config().hidden_size)
+    todo = _rows_to_capture(dataset, hs_dir, shape_tail)
+    start, tokens = time.perf_counter(), 0
+    states_of = _PrefixStates(model, layer_ids)
+    with tqdm(
+        total=len(dataset), initial=len(dataset) - len(todo), unit="sample", desc="Hidden states"
+    ) as bar:
+        rows = (dataset[i]["input_ids"] for i in todo)
+        following = next(rows, None)
+        for i in todo:
+            row, following = following, next(rows, None)  # the next row: a shared prefix?
+            states = states_of(row, following)
+            ids = torch.tensor(row, dtype=torch.long)
+            tensors = {"hidden_states": states.cpu().contiguous(), "token_ids": ids}
+            atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: _save_safetensors(t, tmp))
+            tokens += len(ids)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    if todo:
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "Captured hidden states of %d samples (%d tokens) in %.1f s (%.1f tokens/s).",
+            len(todo), tokens, elapsed, tokens / elapsed,
+        )  # fmt: skip
+    return len(todo)

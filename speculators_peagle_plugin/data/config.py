@@ -1,0 +1,139 @@
+"""The on-disk layout of training data, and the settings of ``generate-data``.
+
+On-disk layout (speculators' format), one directory ``DIR``:
+
+    DIR/data-*.arrow, dataset_info.json, state.json  Arrow dataset (``save_to_disk``), a row per
+                                                     target reply: input_ids, loss_mask, seq_len
+    DIR/hidden_states/hs_<i>.safetensors             {"hidden_states": [seq, n_aux+1, H],
+                                                      "token_ids": [seq]} for dataset row i
+    DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
+    DIR/generation_settings.json                     what generate-data was run with (this plugin)
+    DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
+
+Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
+``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
+layers (transformers' ``hidden_states[L]``); the last slot is the final residual stream BEFORE
+the final norm (transformers' ``hidden_states[-1]`` is after it, so it is captured with a hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..common.dtypes import DTYPES
+from ..core.config import check_int_at_least
+from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
+from .prompts import prompt_source_exists
+
+HIDDEN_STATES_DIR = "hidden_states"
+SETTINGS_FILE = "generation_settings.json"
+RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation resume state
+TOKEN_FREQ_FILE = "token_freq.pt"
+VLLM_LOG_FILE = "vllm.log"
+BACKENDS = ("transformers", "vllm")
+# vLLM keeps batch_size requests in flight over a whole resume shard (continuous batching), so
+# a shard of several batches wastes less time on the tail of its longest replies.
+VLLM_BATCHES_PER_SHARD = 4
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
+
+
+def hs_path(hidden_states_dir: Path, index: int) -> Path:
+    """Path of dataset row ``index``'s hidden states (speculators' ``FileTransfer`` naming)."""
+    return Path(hidden_states_dir) / f"hs_{index}.safetensors"
+
+
+def mix_seed(*values: int) -> int:
+    """One well-mixed 63-bit seed from several non-negative ints (e.g. seed, epoch)."""
+    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0]) >> 1
+
+
+def default_target_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's EAGLE-3 aux layers ``(2, N//2, N-3)``; e.g. 30 layers -> ``(2, 15, 27)``."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class DataGenConfig:
+    """Settings of ``speculators-peagle generate-data`` (each default lives here).
+
+    Args:
+        target: local transformers model directory (weights, config, tokenizer, chat template).
+        prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``, a
+            ``.jsonl`` file or a dataset saved with ``save_to_disk``, optionally
+            ``[start:stop]``); rows as :func:`~.prompts.load_prompts` reads them.
+        output: directory for the speculators-format data (created; resumed if it exists).
+        max_new_tokens: tokens generated per assistant turn.
+        temperature: 0 = greedy; > 0 samples (with ``top_p``, no top-k).
+        top_p: nucleus mass in (0, 1] when sampling.
+        batch_size: conversations generated together (transformers: one left-padded batch,
+            the unit of resume; vllm: requests in flight, resumed per
+            ``VLLM_BATCHES_PER_SHARD`` batches).
+        num_samples: replies per prompt (> 1 needs ``temperature`` > 0): each is its own row.
+        backend: what generates the replies. ``transformers`` (``generate``, batched);
+            ``vllm``: vLLM in a child process, faster on CPU (continuous batching, paged KV
+            cache). Hidden states always come from transformers (rows sharing a prompt share
+            its forward). vLLM samples from its engine seed (its CPU sampler has no
+            per-request seed), so a resumed sampled run draws new replies for the shards it
+            had not finished.
+        kv_cache_gb: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = vLLM's default.
+        target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
+        draft_vocab_size: size of the ``d2t``/``t2d`` files written.
+        max_samples: use only the first this many usable prompts.
+        seed: seed of the sampled generation (per batch, so resumed runs agree).
+        dtype: the target's compute dtype, also the stored hidden states' dtype.
+        device: torch device of the target.
+    """
+
+    target: str
+    prompts: str
+    output: str
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    num_samples: int = 1
+    backend: str = "transformers"
+    kv_cache_gb: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE
+    max_samples: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "draft_vocab_size", "num_samples"):
+            check_int_at_least(name, getattr(self, name), 1)
+        if self.kv_cache_gb is not None:
+            check_int_at_least("kv_cache_gb", self.kv_cache_gb, 1)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
+        if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature {self.temperature} is above vLLM's limit; with --backend vllm "
+                f"it must be in [0, {VLLM_MAX_TEMPERATURE}]."
+            )
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"num_samples {self.num_samples} needs temperature > 0: greedy replies to the "
+                "same prompt are identical."
+            )
+        check_int_at_least("seed", self.seed, 0)
+        if self.max_samples is not None:
+            check_int_at_least("max_samples", self.max_samples, 1)
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if not (Path(self.target) / "config.json").is_file():
+            raise ValueError(
+                f"--target {self.target} is not a local transformers model directory "
+                "(no config.json)."
+            )
+        if not prompt_source_exists(self.prompts):
+            raise ValueError(f"--prompts {self.prompts} does not exist.")

@@ -1,0 +1,212 @@
+"""The target's replies to the prompts: generated with transformers or vLLM, resumable per shard.
+
+Each shard (``DIR/responses/<first>-<last>.json``) maps a prompt index to its rows
+``{"input_ids", "loss_mask"}``; a run that is stopped regenerates only the shards it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from ..common.dtypes import DTYPES
+from ..common.files import atomic_write_json
+from .config import (
+    RESPONSES_DIR,
+    VLLM_BATCHES_PER_SHARD,
+    VLLM_LOG_FILE,
+    DataGenConfig,
+    mix_seed,
+)
+from .prompts import render_conversation
+
+logger = logging.getLogger(__name__)
+
+
+class Target:
+    """The target model and tokenizer, with the two jobs generate-data runs on them."""
+
+    def __init__(self, config: DataGenConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"The tokenizer of --target {config.target} has no chat template.")
+        self.model = AutoModelForCausalLM.from_pretrained(config.target, dtype=DTYPES[config.dtype])
+        self.model.to(config.device).eval()
+        gen_eos = self.model.generation_config.eos_token_id
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        tok_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        self.eos_ids = sorted(set(gen_eos) | set(tok_eos))
+        if not self.eos_ids:
+            raise ValueError(f"--target {config.target} defines no end-of-sequence token.")
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = self.eos_ids[0] if pad is None else pad
+        self.vllm = None  # a running VllmWorker while the vllm backend generates
+
+    def prompt_ids(self, turns: list[dict]) -> list[int]:
+        return render_conversation(self.tokenizer, turns)
+
+    @contextmanager
+    def generator(self, log_path: Path):
+        """While open, :meth:`generate` runs on the configured backend (vLLM: a child process
+        that is gone again when the block ends, so the hidden-state phase has the cores)."""
+        if self.config.backend != "vllm":
+            yield
+            return
+        from ..serving.vllm_client import VllmWorker
+
+        # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
+        # as with vLLM's separate engine process, which would also reserve a core for itself.
+        with VllmWorker(log_path, in_process=True, kv_cache_gb=self.config.kv_cache_gb) as worker:
+            self.vllm = worker
+            try:
+                yield
+            finally:
+                self.vllm = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """Completions of a batch of prompts, each cut after its first EOS.
+
+        ``seed`` seeds transformers' sampling; vLLM samples from its engine seed.
+        """
+        from transformers import GenerationConfig
+
+        cfg = self.config
+        if self.vllm is not None:
+            job = {
+                "target": str(Path(cfg.target).resolve()), "draft": None, "prompts": prompts,
+                "max_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
+                "dtype": cfg.dtype, "seed": cfg.seed, "temperature": cfg.temperature,
+                "top_p": cfg.top_p, "prefix_caching": True,
+            }  # fmt: skip
+            outputs = self.vllm.run(job)["outputs"]
+            return [completion_tokens(out, self.eos_ids) for out in outputs]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sample = cfg.temperature > 0
+        # An explicit config: the checkpoint's own defaults (often sampling, top-k 50) must not
+        # leak in; top_k=0 leaves only temperature and top-p, as vLLM's defaults do.
+        gen_config = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=sample,
+            temperature=cfg.temperature if sample else None,
+            top_p=cfg.top_p if sample else None,
+            top_k=0 if sample else None,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+        )
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=ids.to(cfg.device),
+            attention_mask=mask.to(cfg.device),
+            generation_config=gen_config,
+        )
+        return [completion_tokens(row.tolist(), self.eos_ids) for row in out[:, width:].cpu()]
+
+    def decode_reply(self, completion: list[int]) -> str:
+        return self.tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def completion_tokens(generated: list[int], eos_ids: list[int]) -> list[int]:
+    """Generated tokens up to and including the first EOS (what vLLM returns as token_ids).
+
+    Example: eos 2, ``[5, 7, 2, 2, 2]`` (padded after the end) -> ``[5, 7, 2]``.
+    """
+    for i, token in enumerate(generated):
+        if token in eos_ids:
+            return generated[: i + 1]
+    return generated
+
+
+def _regenerate(target: Target, conversations: list[list[dict]], seed: int):
+    """Regenerate every assistant turn of a batch of conversations, turn by turn.
+
+    Like speculators' ``regenerate-responses``: each user turn gets the target's reply to the
+    conversation so far (with its own earlier replies), and each reply is one boundary row
+    (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply).
+    Returns ``(rows, generated_tokens)``; ``rows[k]`` lists conversation k's rows.
+    """
+    from speculators.cli.regenerate_responses import build_boundary_sample
+
+    rows: list[list[dict]] = [[] for _ in conversations]
+    history: list[list[dict]] = [[] for _ in conversations]
+    pending = [list(turns) for turns in conversations]
+    generated, round_index = 0, 0
+    while any(any(t["role"] == "user" for t in p) for p in pending):
+        active, prompts = [], []
+        for k, turns in enumerate(pending):
+            users = [i for i, t in enumerate(turns) if t["role"] == "user"]
+            if not users:
+                continue
+            history[k].extend(turns[: users[0] + 1])
+            del turns[: users[0] + 1]
+            active.append(k)
+            prompts.append(target.prompt_ids(history[k]))
+        replies = target.generate(prompts, mix_seed(seed, round_index))
+        for k, prompt, reply in zip(active, prompts, replies, strict=True):
+            input_ids, loss_mask = build_boundary_sample(prompt, reply)
+            rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
+            history[k].append({"role": "assistant", "content": target.decode_reply(reply)})
+            generated += len(reply)
+        round_index += 1
+    return rows, generated
+
+
+def _done_shards(responses: Path) -> dict[int, list[dict]]:
+    """Rows of every prompt already regenerated (one JSON shard per finished batch)."""
+    done: dict[int, list[dict]] = {}
+    for shard in sorted(responses.glob("*.json")):
+        try:
+            done.update({int(k): v for k, v in json.loads(shard.read_text()).items()})
+        except (ValueError, AttributeError):  # unreadable: written by hand or damaged
+            shard.unlink()
+    return done
+
+
+def generate_responses(target: Target, prompts: list[list[dict]], output: Path) -> list[dict]:
+    """The target's replies to every prompt; resumable per shard. Rows in prompt order.
+
+    With ``num_samples`` n, prompt i is conversation ``i // n`` (its ``i % n``-th sample).
+    """
+    from tqdm import tqdm
+
+    cfg = target.config
+    prompts = [turns for turns in prompts for _ in range(cfg.num_samples)]
+    responses = output / RESPONSES_DIR
+    responses.mkdir(exist_ok=True)
+    done = _done_shards(responses)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    shard_size = cfg.batch_size * (VLLM_BATCHES_PER_SHARD if cfg.backend == "vllm" else 1)
+    start, tokens = time.perf_counter(), 0
+    with (
+        target.generator(output / VLLM_LOG_FILE) if todo else nullcontext(),
+        tqdm(total=len(prompts), initial=len(done), unit="reply", desc="Generating") as bar,
+    ):
+        for b in range(0, len(todo), shard_size):
+            batch = todo[b : b + shard_size]
+            rows, generated = _regenerate(
+                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0])
+            )
+            shard = {str(i): r for i, r in zip(batch, rows, strict=True)}
+            shard_path = responses / f"{batch[0]:09d}-{batch[-1]:09d}.json"
+            atomic_write_json(shard_path, shard, indent=None)
+            done.update({i: r for i, r in zip(batch, rows, strict=True)})
+            tokens += generated
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    if todo:
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "Generated %d reply tokens for %d replies in %.1f s (%.1f tokens/s).",
+            tokens, len(todo), elapsed, tokens / elapsed,
+        )  # fmt: skip
+    return [row for i in range(len(prompts)) for row in done[i]]
