@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
+from ..model.target import FinalNormInput
 from .config import HIDDEN_STATES_DIR, hs_path
 
 logger = logging.getLogger(__name__)
@@ -40,22 +41,12 @@ def capture_hidden_states(
         ``[seq, 4, H]`` = states after layers 1, 2, 3 and the input of ``norm`` (after 4).
     """
     decoder = model.get_decoder()
-    norm = getattr(decoder, "norm", None)
-    if norm is None:
-        raise ValueError(
-            f"{type(decoder).__name__} has no final `norm` module to capture the last hidden "
-            "state before it."
-        )
-    captured = []
-    handle = norm.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
-    try:
+    with FinalNormInput(model) as pre_norm:
         out = decoder(
             input_ids=input_ids[None], output_hidden_states=True,
             past_key_values=cache, use_cache=cache is not None,
         )  # fmt: skip
-    finally:
-        handle.remove()
-    states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured[-1][0]]
+    states = [out.hidden_states[layer][0] for layer in layer_ids] + [pre_norm.value[0]]
     return torch.stack(states, dim=1)
 
 

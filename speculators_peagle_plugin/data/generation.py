@@ -16,6 +16,7 @@ import torch
 
 from ..common.dtypes import DTYPES
 from ..common.files import atomic_write_json
+from ..model.target import eos_token_ids
 from .config import (
     RESPONSES_DIR,
     VLLM_BATCHES_PER_SHARD,
@@ -40,10 +41,7 @@ class Target:
             raise ValueError(f"The tokenizer of --target {config.target} has no chat template.")
         self.model = AutoModelForCausalLM.from_pretrained(config.target, dtype=DTYPES[config.dtype])
         self.model.to(config.device).eval()
-        gen_eos = self.model.generation_config.eos_token_id
-        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        tok_eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        self.eos_ids = sorted(set(gen_eos) | set(tok_eos))
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         if not self.eos_ids:
             raise ValueError(f"--target {config.target} defines no end-of-sequence token.")
         pad = self.tokenizer.pad_token_id
