@@ -188,11 +188,18 @@ def _ints(text: str, param: str) -> tuple[int, ...]:
         raise click.BadParameter(f"{text!r} is not a list of integers.", param_hint=param) from None
 
 
+def _serving_devices() -> click.Choice:
+    """The devices check and export accept (the checker's own list)."""
+    from .serving.check import DEVICES
+
+    return click.Choice(DEVICES)
+
+
 @main.command()
 @click.argument("checkpoint")
 @click.option("--target", help="Local target directory [default: the checkpoint's verifier].")
 @click.option("-k", "--num-speculative-tokens", type=int, help="K it will be served with.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "any"]),
+@click.option("--device", type=_serving_devices(),
               help="Serving device; cpu checks CPU head dims [default: this machine].")  # fmt: skip
 def check(
     checkpoint: str, target: str | None, num_speculative_tokens: int | None, device: str | None
@@ -222,12 +229,12 @@ def check(
 @click.option("--mask-token-id", type=int, help="The trained mask id, if the config lacks it.")
 @click.option("-k", "--num-speculative-tokens", type=int,
               help="The trained K, if the config lacks it.")  # fmt: skip
-@click.option("--device", type=click.Choice(["cpu", "cuda", "any"]),
+@click.option("--device", type=_serving_devices(),
               help="Serving device [default: this machine].")  # fmt: skip
 def export(checkpoint: str, output: str, target: str | None, mask_token_id: int | None,
            num_speculative_tokens: int | None, device: str | None) -> None:  # fmt: skip
     """Write a fixed copy of CHECKPOINT to OUTPUT where every fix is mechanical."""
-    from .serving.check import export_checkpoint
+    from .serving.export import export_checkpoint
 
     try:
         fixed, remaining = export_checkpoint(

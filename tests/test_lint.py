@@ -19,7 +19,8 @@ from tiny_vllm import (
 )
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.serving.check import check_checkpoint, export_checkpoint
+from speculators_peagle_plugin.serving.check import check_checkpoint
+from speculators_peagle_plugin.serving.export import export_checkpoint
 from speculators_peagle_plugin.serving.reference import ReferenceRuntime
 
 
