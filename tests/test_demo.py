@@ -1,4 +1,5 @@
-"""The demo: SmolLM2 from its GGUF (models.py) and the resumable stage pipeline (demo.py).
+"""The demo: SmolLM2 from its GGUF (demo/smollm2.py) and the resumable stage pipeline
+(demo/pipeline.py and the stages, artifacts and summary it runs).
 
 The real model is materialised once into the user cache (as ``make demo`` does) and checked
 against the GGUF file itself: vocabulary, chat template, a float64 forward written here in
@@ -20,7 +21,7 @@ from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.demo import pipeline as demo
 from speculators_peagle_plugin.demo import smollm2 as models
 
-# ---------------------------------------------------------------- models.py, cheap logic
+# ---------------------------------------------------------------- smollm2.py, cheap logic
 
 
 def test_missing_wheel_is_one_sentence(monkeypatch):
@@ -90,12 +91,12 @@ def test_a_failed_conversion_leaves_no_half_model(fake_gguf, tmp_path):
     assert json.loads((out / "config.json").read_text())["from"] == gguf.read_bytes().hex()
 
 
-# ------------------------------------------------------------- models.py, the real model
+# ------------------------------------------------------------- smollm2.py, the real model
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The demo's target, materialised into the user cache (once, ~40 s) like `make demo`."""
+    """The demo's target, materialised into the user cache (once) like `make demo`."""
     return models.materialise_smollm2()
 
 
@@ -232,7 +233,7 @@ def test_greedy_reply_makes_sense(smollm2):
     assert "Paris" in reply, reply
 
 
-# ---------------------------------------------------------------------- demo.py stages
+# ----------------------------------------------------------------- pipeline.py stages
 
 
 def test_stages_skip_finished_work_and_refuse_other_settings(tmp_path):

@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+from ..common.files import temporary_name
+
 __all__ = ["SMOLLM2", "cache_dir", "materialise_smollm2", "smollm2_gguf"]
 
 logger = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ def materialise_smollm2(output: str | os.PathLike | None = None, *, force: bool 
         force: rebuild even if a matching copy exists.
 
     Returns the directory. A copy whose ``gguf_source.json`` matches the installed GGUF
-    (name, size, sha256) is reused; otherwise the model is converted (~40 s, ~2 GB RAM) in a
+    (name, size, sha256) is reused; otherwise the model is converted (once per GGUF) in a
     temporary sibling directory and renamed into place, so no reader ever sees half a model.
     Example: ``AutoModelForCausalLM.from_pretrained(materialise_smollm2())`` -> a 30-layer
     LlamaForCausalLM (hidden 576, vocab 49152) with SmolLM2's tokenizer and chat template.
@@ -118,7 +120,7 @@ def materialise_smollm2(output: str | os.PathLike | None = None, *, force: bool 
     if not force and _cached(path, fingerprint):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_name(path)
     shutil.rmtree(tmp, ignore_errors=True)
     logger.info("Converting %s into %s (once; later runs reuse it).", gguf, path)
     try:

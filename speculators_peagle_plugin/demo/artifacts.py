@@ -1,0 +1,109 @@
+"""What the demo's own stages write: the run directory's layout, the training prompts and
+the two drafts the eval serves. Every file appears under its name only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.files import atomic_directory, atomic_write_text
+
+__all__ = [
+    "RunLayout",
+    "has_weights",
+    "link_draft",
+    "save_atomically",
+    "save_untrained_draft",
+    "write_prompts",
+]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where each stage writes inside the run directory ``root``."""
+
+    root: Path
+
+    @property
+    def prompts(self) -> Path:
+        return self.root / "train_prompts.jsonl"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def trained_draft(self) -> Path:
+        return self.root / "trained-draft"
+
+    @property
+    def untrained_draft(self) -> Path:
+        return self.root / "untrained-draft"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+
+def has_weights(path: Path) -> bool:
+    """A model directory (target or draft) whose rename into place completed."""
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def write_prompts(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path) -> int:
+    """Write the training conversations as ``{"messages": [...]}`` rows; returns the count.
+
+    Uses the eval harness's loader, so training and held-out prompts are rendered alike
+    (HumanEval as "Complete the following Python function." + the prompt's code). Raises
+    ``ValueError`` if an eval conversation is also a training one (it would not be held out).
+    Example: ("humaneval[0:120]", "chat[0:100]") -> 220 rows.
+    """
+    from ..data.prompts import load_prompt_set
+
+    rows = [c for spec in train_specs for c in load_prompt_set(spec).conversations]
+    seen = {json.dumps(c, sort_keys=True) for c in rows}
+    for spec in eval_specs:
+        held_out = load_prompt_set(spec).conversations
+        shared = sum(json.dumps(c, sort_keys=True) in seen for c in held_out)
+        if shared:
+            raise ValueError(
+                f"{shared} conversation(s) of the eval set {spec!r} are also training prompts; "
+                "eval prompts must be held out."
+            )
+    text = "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in rows)
+    atomic_write_text(path, text)
+    return len(rows)
+
+
+def save_untrained_draft(train_config, output: Path) -> None:
+    """The draft ``train`` starts from (same builder, same seed), saved without training."""
+    from ..training.loop import build_training
+
+    save_atomically(build_training(train_config).draft, output)
+
+
+def save_atomically(model, output: Path) -> None:
+    """``model.save_pretrained(output)``, appearing under ``output`` only when complete."""
+    with atomic_directory(output) as tmp:
+        model.save_pretrained(tmp)
+
+
+def link_draft(checkpoint: Path, output: Path) -> None:
+    """``output`` = the servable files of ``checkpoint`` (hard links; copies across devices).
+
+    The training state stays behind: ``output`` is what ``vllm serve`` is pointed at.
+    """
+    with atomic_directory(output) as tmp:
+        for src in checkpoint.iterdir():
+            if src.is_file() and (src.name.endswith(".json") or src.suffix == ".safetensors"):
+                try:
+                    os.link(src, tmp / src.name)
+                except OSError:
+                    shutil.copy2(src, tmp / src.name)

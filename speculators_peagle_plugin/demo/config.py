@@ -1,0 +1,98 @@
+"""What the demo runs: :class:`DemoConfig` (every default) and its CI-sized :data:`QUICK`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["DemoConfig", "QUICK", "quick_config"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo runs (each default lives here; ``quick_config`` shortens them).
+
+    Args:
+        run_dir: directory for everything the demo writes (resumed if it exists).
+        train_config: the training YAML given to ``speculators-peagle train --config``.
+        train_prompts / eval_prompts: prompt-set specs (``data.prompts.load_prompt_set``);
+            the eval sets must not overlap the training sets.
+        max_new_tokens: reply length cap when generating training data.
+        num_samples / temperature: replies sampled per training prompt, at this temperature.
+        gen_backend: generate-data's ``--backend`` (vllm batches the requests in flight).
+        gen_batch_size: replies generated together (vLLM: requests in flight).
+        max_steps: cap on optimizer steps (None: the YAML's epochs).
+        num_speculative_tokens: K served in vLLM.
+        eval_max_new_tokens / eval_batch_size: per request / requests in flight in vLLM.
+        kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
+        target_dtype: the target's dtype when it writes the data and serves in eval (the
+            draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
+            on CPUs that multiply it natively, float32 elsewhere.
+        goal: mean acceptance length the trained draft should reach on the first eval set.
+        quick: a CI-sized run whose figures mean nothing.
+    """
+
+    run_dir: str = "runs/demo"
+    train_config: str = str(Path(__file__).with_name("demo_smollm2.yaml"))
+    train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
+    eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]")
+    max_new_tokens: int = 200
+    num_samples: int = 5
+    temperature: float = 0.7
+    gen_backend: str = "vllm"
+    gen_batch_size: int = 128
+    max_steps: int | None = None
+    num_speculative_tokens: int = 4
+    eval_max_new_tokens: int = 128
+    eval_batch_size: int = 16
+    kv_cache_gb: int = 4
+    target_dtype: str = "auto"
+    goal: float = 2.0
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        if not Path(self.train_config).is_file():
+            raise ValueError(f"training config {self.train_config} does not exist.")
+        for name in ("max_new_tokens", "num_samples", "gen_batch_size", "num_speculative_tokens",
+                     "eval_max_new_tokens", "eval_batch_size", "kv_cache_gb"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        from ..common.dtypes import DTYPE_NAMES
+        from ..data.config import BACKENDS
+
+        if self.gen_backend not in BACKENDS:
+            raise ValueError(
+                f"gen_backend must be one of {', '.join(BACKENDS)}, got {self.gen_backend!r}."
+            )
+        if not self.temperature >= 0 or (self.num_samples > 1 and self.temperature == 0):
+            raise ValueError(
+                f"temperature must be >= 0, and > 0 with num_samples > 1; got {self.temperature}."
+            )
+        if self.target_dtype not in ("auto", *DTYPE_NAMES):
+            raise ValueError(
+                f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "
+                f"got {self.target_dtype!r}."
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps!r}.")
+
+
+# The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, 4 short eval prompts.
+QUICK = dict(
+    run_dir="runs/demo-quick",
+    train_prompts=("humaneval[0:3]", "chat[0:3]"),
+    eval_prompts=("humaneval[120:122]", "chat[100:102]"),
+    max_new_tokens=24,
+    num_samples=2,
+    gen_batch_size=6,
+    max_steps=2,
+    eval_max_new_tokens=24,
+    eval_batch_size=4,
+    quick=True,
+)
+
+
+def quick_config(**overrides) -> DemoConfig:
+    """:data:`QUICK`'s values, then ``overrides``, over :class:`DemoConfig`'s defaults."""
+    return DemoConfig(**{**QUICK, **overrides})
