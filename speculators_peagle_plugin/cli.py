@@ -287,9 +287,16 @@ def eval_command(ks: str, no_baseline: bool, **options) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+def _demo_run_dirs() -> str:
+    """The demo's --run-dir defaults, read from its config (where they live)."""
+    from .demo.config import QUICK, DemoConfig
+
+    return f"{DemoConfig.run_dir}, {QUICK['run_dir']} with --quick"
+
+
 @main.command()
 @click.option("--run-dir", help="Where everything goes; rerunning resumes it "
-              "[default: runs/demo, runs/demo-quick with --quick].")  # fmt: skip
+              f"[default: {_demo_run_dirs()}].")  # fmt: skip
 @click.option("--config", "train_config", type=click.Path(dir_okay=False),
               help="Training YAML [default: configs/demo_smollm2.yaml].")  # fmt: skip
 @click.option("--quick", is_flag=True, help="CI-sized run: 6 prompts, 2 steps, a short eval.")
