@@ -250,38 +250,59 @@ def export(checkpoint: str, output: str, target: str | None, mask_token_id: int 
     click.echo(f"wrote {output}")
 
 
+def eval_config_options(command):
+    """One option per :class:`EvalConfig` field that has help; defaults stay in the dataclass."""
+    from .evaluation.config import EvalConfig
+
+    hints = get_type_hints(EvalConfig)
+    for f in reversed(dataclasses.fields(EvalConfig)):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        show = meta.get("show", f.default)
+        kwargs = {"help": meta["help"] + ("" if show is None else f" [default: {show}]")}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs["required"] = True
+        if hints[f.name] is bool:
+            kwargs["is_flag"] = True
+        elif "choices" in meta:
+            kwargs["type"] = click.Choice(meta["choices"])
+        elif meta.get("multiple"):
+            kwargs["multiple"] = True
+        elif not meta.get("ints"):
+            kwargs["type"] = next(a for a in get_args(hints[f.name]) or [hints[f.name]]
+                                  if a is not type(None))  # fmt: skip
+        decls = [d for d in (meta.get("short"), flag) if d]
+        command = click.option(*decls, f.name, **kwargs)(command)
+    return command
+
+
+def build_eval_config(flags: dict):
+    """The :class:`EvalConfig` of the given flags; an option not given keeps its default."""
+    from .evaluation.config import EvalConfig
+
+    values = {}
+    for f in dataclasses.fields(EvalConfig):
+        value = flags.get(f.name)
+        if value is None or value is False or value == ():
+            continue
+        if f.metadata.get("negate"):
+            value = False
+        elif f.metadata.get("ints"):
+            value = _ints(value, f.metadata["flag"])
+        values[f.name] = value
+    return EvalConfig(**values)
+
+
 @main.command("eval")
-@click.option("--target", required=True, help="Local target directory.")
-@click.option("--draft", "drafts", multiple=True, help="P-EAGLE checkpoint (repeatable).")
-@click.option("--prompts", "prompt_sets", multiple=True, default=("humaneval",), show_default=True,
-              help="humaneval, chat or a .jsonl, optionally sliced: humaneval[120:164] "
-              "(repeatable).")  # fmt: skip
-@click.option("-k", "--num-speculative-tokens", "ks", default="4", show_default=True,
-              help="K, or a comma-separated sweep: 1,2,4.")  # fmt: skip
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Requests in flight.")
-@click.option("--backend", type=click.Choice(["vllm", "reference"]), default="vllm",
-              show_default=True)  # fmt: skip
-@click.option("--no-baseline", is_flag=True, help="Skip the no-draft run (no speedup).")
-@click.option("--ignore-eos", is_flag=True, help="Always decode --max-new-tokens tokens.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              default="float32", show_default=True)  # fmt: skip
-@click.option("--max-model-len", type=int, help="vLLM max_model_len [default: the target's].")
-@click.option("--out", "output_dir", help="Run directory [default: runs/eval-<UTC time>].")
-@click.option("--kv-cache-gb", type=int, help="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
-@click.option("--in-process", is_flag=True,
-              help="vLLM engine core inside the worker: fast start, slower tokens/s.")  # fmt: skip
-def eval_command(ks: str, no_baseline: bool, **options) -> None:
+@eval_config_options
+def eval_command(**flags) -> None:
     """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
-    import sys
+    from .evaluation.harness import evaluate
 
-    from .evaluation.harness import EvalConfig, evaluate
-
-    values = {k: v for k, v in options.items() if v is not None}
     try:
-        config = EvalConfig(
-            ks=_ints(ks, "--num-speculative-tokens"), baseline=not no_baseline, **values
-        )
+        config = build_eval_config(flags)
         evaluate(config, argv=sys.argv, echo=click.echo)
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
-from speculators_peagle_plugin.evaluation.harness import summarize
+from speculators_peagle_plugin.evaluation.report import summarize
 from speculators_peagle_plugin.serving.check import CPU_HEAD_DIMS
 from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
-from speculators_peagle_plugin.serving.vllm_client import VllmWorker
+from speculators_peagle_plugin.serving.vllm_client import VllmJob, VllmWorker
 
 K = 3
 
@@ -43,11 +43,10 @@ def prompts_for(target, spec="chat[:6]"):
 
 
 def job(target, draft, prompts, k=K, max_tokens=32, **extra):
-    return {
-        "target": str(target), "draft": None if draft is None else str(draft),
-        "num_speculative_tokens": k, "prompts": prompts, "max_tokens": max_tokens,
-        "batch_size": 4, **extra,
-    }  # fmt: skip
+    return VllmJob(
+        target=str(target), draft=None if draft is None else str(draft),
+        num_speculative_tokens=k, prompts=prompts, max_tokens=max_tokens, batch_size=4, **extra,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

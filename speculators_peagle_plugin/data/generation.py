@@ -79,12 +79,13 @@ class Target:
 
         cfg = self.config
         if self.vllm is not None:
-            job = {
-                "target": str(Path(cfg.target).resolve()), "draft": None, "prompts": prompts,
-                "max_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
-                "dtype": cfg.dtype, "seed": cfg.seed, "temperature": cfg.temperature,
-                "top_p": cfg.top_p, "prefix_caching": True,
-            }  # fmt: skip
+            from ..serving.vllm_client import VllmJob
+
+            job = VllmJob(
+                target=str(Path(cfg.target).resolve()), prompts=prompts,
+                max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
+            )  # fmt: skip
             outputs = self.vllm.run(job)["outputs"]
             return [completion_tokens(out, self.eos_ids) for out in outputs]
         width = max(map(len, prompts))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,61 +39,13 @@ from speculators.models.peagle.config import PEagleSpeculatorConfig
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from ..model.peagle_draft import PEagleDraftModel
+from .counters import SpecDecodeCounters
 
 __all__ = [
     "ReferenceRuntime",
-    "SpecDecodeCounters",
     "load_reference_draft",
     "stop_token_ids",
 ]
-
-
-@dataclass
-class SpecDecodeCounters:
-    """vLLM's spec-decode counters (``vllm:spec_decode_*``) for one run.
-
-    Args:
-        num_drafts: verify steps that carried drafts.
-        num_draft_tokens: drafted tokens (``K`` per draft).
-        num_accepted_tokens: drafted tokens the target accepted.
-        accepted_per_pos: ``[K]`` drafts whose token ``i`` was accepted.
-
-    Example: K = 2, two drafts accepting 2 and 0 -> acceptance length 1 + 2/2 = 2.0,
-    per position [0.5, 0.5].
-    """
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """Count one verify step, as vLLM's ``SpecDecodingStats.observe_draft`` does."""
-        if len(self.accepted_per_pos) < num_draft_tokens:
-            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens per target forward: ``1 + accepted / drafts`` (1 is the bonus token)."""
-        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
-
-    @property
-    def per_position(self) -> list[float]:
-        """Acceptance rate of draft position ``i``: ``accepted_per_pos[i] / drafts``."""
-        return [n / max(self.num_drafts, 1) for n in self.accepted_per_pos]
-
-    def to_dict(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_pos": list(self.accepted_per_pos),
-        }
 
 
 def stop_token_ids(target_dir: str | Path, tokenizer=None) -> set[int]:

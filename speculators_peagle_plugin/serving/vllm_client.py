@@ -6,14 +6,59 @@ the two talk JSON lines over the worker's stdin/stdout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
+
+
+@dataclass(frozen=True)
+class VllmJob:
+    """One batch of prompts for the worker to decode, and the engine to decode it with.
+
+    Args:
+        target: local target directory.
+        prompts: token ids per request, chat template already applied.
+        max_tokens: new tokens per request.
+        batch_size: requests in flight (the engine's ``max_num_seqs``).
+        draft: P-EAGLE checkpoint directory, or ``None`` for the no-draft baseline.
+        num_speculative_tokens: K (with a draft).
+        ignore_eos: decode exactly ``max_tokens`` tokens.
+        dtype, max_model_len, seed, enforce_eager: the engine's settings; ``seed`` also
+            drives sampling, since vLLM's CPU sampler has no per-request seed.
+        temperature, top_p: greedy unless ``temperature > 0``.
+        prefix_caching: off unless asked, so that acceptance does not depend on which
+            prompts shared cached blocks with earlier ones.
+        speculative_overrides: merged into vLLM's speculative config.
+
+    Consecutive jobs with the same engine settings reuse the worker's engine.
+    """
+
+    target: str
+    prompts: list[list[int]]
+    max_tokens: int
+    batch_size: int
+    draft: str | None = None
+    num_speculative_tokens: int | None = None
+    ignore_eos: bool = False
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    prefix_caching: bool = False
+    speculative_overrides: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The job as the worker's protocol carries it (a JSON object)."""
+        return dataclasses.asdict(self)
 
 
 class VllmWorker:
@@ -21,7 +66,8 @@ class VllmWorker:
 
     Args:
         log_path: file that receives everything vLLM prints.
-        in_process: see :class:`EvalConfig`.
+        in_process: run vLLM's engine core in the worker process rather than its own:
+            an engine starts faster, but decodes slower (the two share a core).
         kv_cache_gb: ``VLLM_CPU_KVCACHE_SPACE`` for the worker.
 
     Use as a context manager; :meth:`run` sends one job and returns its result,
@@ -56,8 +102,8 @@ class VllmWorker:
             )
         return json.loads(line)
 
-    def run(self, job: dict, on_event: Callable[[dict], None] | None = None) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "run", "job": job}) + "\n")
+    def run(self, job: VllmJob, on_event: Callable[[dict], None] | None = None) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "run", "job": job.to_json()}) + "\n")
         self.proc.stdin.flush()
         engine = None
         while True:

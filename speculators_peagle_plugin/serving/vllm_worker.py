@@ -1,9 +1,11 @@
 """Out-of-process vLLM runner for the acceptance-length harness: JSON lines in, JSON lines out.
 
-Run by ``speculators_peagle_plugin.evaluate`` (never imported by it), so vLLM's engine,
-its threads and its ~3 GB live and die in this process. Protocol, one JSON object a line:
+Started by :class:`~speculators_peagle_plugin.serving.vllm_client.VllmWorker` (never
+imported), so vLLM's engine, its threads and its memory live and die in this process.
+Protocol, one JSON object a line:
 
-- in (stdin): ``{"op": "run", "job": {...}}`` or ``{"op": "quit"}``.
+- in (stdin): ``{"op": "run", "job": {...}}`` (a :class:`VllmJob` as JSON) or
+  ``{"op": "quit"}``.
 - out (the original stdout; everything vLLM prints goes to stderr): ``{"event": "ready"}``
   once, then per job ``{"event": "engine", ...}`` when an engine is built,
   ``{"event": "progress", ...}`` after each finished request, and one
@@ -12,17 +14,10 @@ its threads and its ~3 GB live and die in this process. Protocol, one JSON objec
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by the driver for ``in_process``) keeps the
 engine core in this process (``distributed_executor_backend="uni"``).
 
-A job: ``target`` (local dir), ``draft`` (P-EAGLE checkpoint dir or null for the no-draft
-baseline), ``num_speculative_tokens``, ``prompts`` (lists of token ids, chat template
-already applied), ``max_tokens``, ``batch_size`` (requests in flight), and optionally
-``ignore_eos``, ``dtype``, ``max_model_len``, ``seed``, ``enforce_eager``,
-``speculative_overrides`` (merged into vLLM's speculative config), ``temperature``,
-``top_p`` and ``prefix_caching`` (default off). Decoding is greedy unless ``temperature``
-> 0 (generate-data's sampled replies; the engine's ``seed`` drives the sampling, since
-vLLM's CPU sampler has no per-request seed).
-With a draft the engine must really run parallel drafting (``speculative_config.
-parallel_drafting`` true on the running engine) or the job fails: vLLM drafts
-sequentially otherwise, and such figures would not measure P-EAGLE.
+A job's fields and their defaults are :class:`VllmJob`'s. With a draft the engine must
+really run parallel drafting (``speculative_config.parallel_drafting`` true on the running
+engine) or the job fails: vLLM drafts sequentially otherwise, and such figures would not
+measure P-EAGLE.
 
 The spec-decode counters are cumulative per engine, so a job reports the difference
 between snapshots taken just before and after its own requests. Consecutive jobs with
@@ -36,42 +31,15 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-COUNTERS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+if TYPE_CHECKING:
+    from speculators_peagle_plugin.serving.vllm_client import VllmJob
+
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
     "enforce_eager", "speculative_overrides", "batch_size", "prefix_caching",
 )  # fmt: skip
-
-
-def snapshot(llm) -> dict:
-    """The spec-decode counters now, summed over engines (labels differ only by engine)."""
-    out = {name: 0 for name in COUNTERS.values()}
-    per_pos: list[int] = []
-    for metric in llm.get_metrics():
-        if metric.name in COUNTERS:
-            out[COUNTERS[metric.name]] += int(metric.value)
-        elif metric.name == PER_POS:
-            values = [int(v) for v in metric.values]
-            per_pos = [a + b for a, b in zip(per_pos + [0] * len(values), values, strict=False)]
-            per_pos += values[len(per_pos) :]
-    out["accepted_per_pos"] = per_pos
-    return out
-
-
-def difference(after: dict, before: dict) -> dict:
-    per_pos = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
-    return {
-        **{k: after[k] - before[k] for k in COUNTERS.values()},
-        "accepted_per_pos": [
-            a - b for a, b in zip(after["accepted_per_pos"], per_pos, strict=False)
-        ],
-    }
 
 
 class Worker:
@@ -87,34 +55,32 @@ class Worker:
             self.llm, self.key = None, None
             gc.collect()
 
-    def engine(self, job: dict):
+    def engine(self, job: VllmJob):
         """The engine for ``job``, reusing the current one when its settings match."""
-        key = json.dumps({k: job.get(k) for k in ENGINE_KEYS}, sort_keys=True)
+        key = json.dumps({k: getattr(job, k) for k in ENGINE_KEYS}, sort_keys=True)
         if key == self.key:
             return self.llm
         self.shutdown()
         from vllm import LLM
 
         kwargs = {}
-        if job.get("draft"):
+        if job.draft:
             kwargs["speculative_config"] = {
                 "method": "eagle3",
-                "model": job["draft"],
-                "num_speculative_tokens": job["num_speculative_tokens"],
+                "model": job.draft,
+                "num_speculative_tokens": job.num_speculative_tokens,
                 "parallel_drafting": True,
-                **job.get("speculative_overrides", {}),
+                **job.speculative_overrides,
             }
         start = time.perf_counter()
         llm = LLM(
-            model=job["target"],
-            dtype=job.get("dtype", "float32"),
-            max_model_len=job.get("max_model_len"),
-            seed=job.get("seed", 0),
-            enforce_eager=job.get("enforce_eager", True),
-            max_num_seqs=job["batch_size"],
-            # Off unless asked: acceptance must not depend on which prompts shared cached
-            # blocks with earlier ones. generate-data turns it on (several samples a prompt).
-            enable_prefix_caching=job.get("prefix_caching", False),
+            model=job.target,
+            dtype=job.dtype,
+            max_model_len=job.max_model_len,
+            seed=job.seed,
+            enforce_eager=job.enforce_eager,
+            max_num_seqs=job.batch_size,
+            enable_prefix_caching=job.prefix_caching,
             disable_log_stats=False,
             **({"distributed_executor_backend": "uni"} if _in_process() else {}),
             **kwargs,
@@ -129,7 +95,7 @@ class Worker:
         }
         self.llm, self.key = llm, key
         self.emit(facts)
-        if job.get("draft") and not facts["parallel_drafting"]:
+        if job.draft and not facts["parallel_drafting"]:
             self.shutdown()
             raise RuntimeError(
                 "the running vLLM engine has speculative_config.parallel_drafting = "
@@ -138,7 +104,7 @@ class Worker:
             )
         return llm
 
-    def run(self, job: dict) -> dict:
+    def run(self, job: VllmJob) -> dict:
         """Decode every prompt (greedy by default) with ``batch_size`` requests in flight."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -146,19 +112,19 @@ class Worker:
         llm = self.engine(job)
         engine = llm.llm_engine
         params = SamplingParams(
-            temperature=job.get("temperature", 0.0),
-            top_p=job.get("top_p", 1.0),
-            max_tokens=job["max_tokens"],
-            ignore_eos=job.get("ignore_eos", False),
+            temperature=job.temperature,
+            top_p=job.top_p,
+            max_tokens=job.max_tokens,
+            ignore_eos=job.ignore_eos,
         )
-        has_draft = bool(job.get("draft"))
-        first = snapshot(llm) if has_draft else None
+        has_draft = bool(job.draft)
+        first = _counters(llm) if has_draft else None
         self.serial += 1
-        ids = [f"{self.serial}-{i}" for i in range(len(job["prompts"]))]
+        ids = [f"{self.serial}-{i}" for i in range(len(job.prompts))]
         outputs: dict[str, list[int]] = {}
         start = time.perf_counter()
         # The engine's scheduler keeps max_num_seqs = batch_size requests running.
-        for request_id, prompt in zip(ids, job["prompts"], strict=True):
+        for request_id, prompt in zip(ids, job.prompts, strict=True):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -172,7 +138,7 @@ class Worker:
                         "total": len(ids),
                         "output_tokens": sum(map(len, outputs.values())),
                         "wall_s": time.perf_counter() - start,
-                        "counters": difference(snapshot(llm), first) if has_draft else None,
+                        "counters": (_counters(llm) - first).to_dict() if has_draft else None,
                     }
                 )
         wall = time.perf_counter() - start
@@ -180,12 +146,19 @@ class Worker:
         return {
             "event": "result",
             "backend": "vllm",
-            "num_speculative_tokens": job.get("num_speculative_tokens") if has_draft else 0,
-            "counters": difference(snapshot(llm), first) if has_draft else None,
+            "num_speculative_tokens": job.num_speculative_tokens if has_draft else 0,
+            "counters": (_counters(llm) - first).to_dict() if has_draft else None,
             "output_tokens": sum(map(len, ordered)),
             "wall_s": wall,
             "outputs": ordered,
         }
+
+
+def _counters(llm):
+    """The engine's spec-decode counters now (cumulative: a job reports a difference)."""
+    from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
+
+    return SpecDecodeCounters.from_metrics(llm.get_metrics())
 
 
 def _in_process() -> bool:
@@ -204,6 +177,9 @@ def main() -> None:
 
     import vllm
 
+    # The package after vLLM, so that vLLM is the first to import torch, on its own terms.
+    from speculators_peagle_plugin.serving.vllm_client import VllmJob
+
     worker = Worker(emit)
     emit({"event": "ready", "vllm_version": vllm.__version__, "in_process": _in_process()})
     for line in sys.stdin:
@@ -213,7 +189,7 @@ def main() -> None:
         if request.get("op") == "quit":
             break
         try:
-            emit(worker.run(request["job"]))
+            emit(worker.run(VllmJob(**request["job"])))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises
             worker.shutdown()  # never reuse an engine a failed job may have left busy
             emit({"event": "error", "message": f"{type(exc).__name__}: {str(exc)[:2000]}"})

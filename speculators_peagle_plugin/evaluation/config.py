@@ -1,0 +1,126 @@
+"""``speculators-peagle eval``'s settings: one typed, validated place for each default.
+
+Every field that is a flag carries its help text (and its choices, its flag name when it
+is not the field's name) in its metadata; the ``eval`` command's options are generated
+from them, so a default or a choice list is written here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..common.dtypes import DTYPE_NAMES
+
+BACKENDS = ("vllm", "reference")
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _opt(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A002 - click's word
+    """An EvalConfig field and its ``--flag``: no ``default`` and no ``factory`` = required.
+
+    ``meta``: ``flag`` (the long option when it is not ``--field-name``), ``short``,
+    ``choices``, ``multiple`` (repeatable), ``ints`` (a comma-separated list of integers),
+    ``negate`` (a switch that sets the field to False), ``show`` (the default as the help
+    shows it; ``None``: not shown; absent: the default itself).
+    """
+    metadata = {"help": help, **meta}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and how.
+
+    Args:
+        target: local target directory (transformers format, with its tokenizer).
+        drafts: P-EAGLE checkpoint directories; each is run at every K.
+        prompt_sets: prompt-set specs (:func:`~speculators_peagle_plugin.data.prompts.
+            load_prompt_set`).
+        ks: ``num_speculative_tokens`` values; several = a sweep.
+        max_new_tokens: per request; batch_size: requests in flight.
+        backend: ``vllm`` (the real engine, out of process) or ``reference``.
+        baseline: also run without a draft (tokens/s for the speedup).
+        ignore_eos: decode exactly ``max_new_tokens`` tokens.
+        dtype: model dtype; output_dir: where record.json / acceptance.png go.
+        seed: the engine's seed.
+        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``), None = vLLM's default.
+        in_process: run vLLM's engine core inside the worker process instead of its own
+            (vLLM's default). An engine then starts several times faster on CPU, but the
+            frontend shares the engine's pinned core, so tokens/s drop: for tests and
+            acceptance-only runs.
+    """
+
+    target: str = _opt(help="Local target directory.", show=None)
+    drafts: tuple[str, ...] = _opt(
+        (), "P-EAGLE checkpoint (repeatable).", flag="--draft", multiple=True, show=None
+    )
+    prompt_sets: tuple[str, ...] = _opt(
+        ("humaneval",),
+        "humaneval, chat or a .jsonl, optionally sliced: humaneval[120:164] (repeatable).",
+        flag="--prompts",
+        multiple=True,
+        show="humaneval",
+    )
+    ks: tuple[int, ...] = _opt(
+        (4,),
+        "K, or a comma-separated sweep: 1,2,4.",
+        flag="--num-speculative-tokens",
+        short="-k",
+        ints=True,
+        show="4",
+    )
+    max_new_tokens: int = _opt(128, "Tokens decoded per request.")
+    batch_size: int = _opt(8, "Requests in flight.")
+    backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS)
+    baseline: bool = _opt(
+        True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None
+    )
+    ignore_eos: bool = _opt(False, "Always decode --max-new-tokens tokens.", show=None)
+    dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES)
+    max_model_len: int | None = _opt(None, "vLLM max_model_len.", show="the target's")
+    output_dir: str = _opt(
+        help="Run directory.",
+        factory=lambda: f"runs/eval-{_stamp()}",
+        flag="--out",
+        show="runs/eval-<UTC time>",
+    )
+    seed: int = 0  # the engine's seed; not a flag
+    kv_cache_gb: int | None = _opt(
+        None, "vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).", show=None
+    )
+    in_process: bool = _opt(
+        False, "vLLM engine core inside the worker: fast start, slower tokens/s.", show=None
+    )
+
+    def __post_init__(self) -> None:
+        self.drafts, self.prompt_sets = tuple(self.drafts), tuple(self.prompt_sets)
+        self.ks = tuple(sorted(set(self.ks)))
+        for name in ("max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        bad_k = [k for k in self.ks if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+        if not self.ks or bad_k:
+            raise ValueError(f"every K must be an integer >= 1, got {list(self.ks)!r}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}.")
+        if not self.drafts and not self.baseline:
+            raise ValueError("nothing to evaluate: give a draft or keep the baseline run.")
+        if not self.prompt_sets:
+            raise ValueError("give at least one prompt set.")
+        if not (Path(self.target) / "config.json").is_file():
+            raise ValueError(
+                f"target {self.target!r} is not a local model directory (no config.json)."
+            )
+        for draft in self.drafts:
+            if not Path(draft).is_dir():
+                raise ValueError(f"draft checkpoint {draft!r} is not a directory.")
