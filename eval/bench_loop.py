@@ -1,12 +1,12 @@
-"""What the training loop costs over the bare trainer-module step (issue 4's <10% goal).
+"""What the training loop costs over the bare trainer-module step.
 
 Both sides run in fresh subprocesses, alternating, on the same config, data and steps:
 
 - ``bare``: ``build_training`` once, the row batches loaded into memory beforehand, then
   per step only ``zero_grad -> forward/backward per segment -> clip -> AdamW -> schedule``.
-- ``loop``: ``speculators_peagle_plugin.loop.train`` (the CLI's loop): reading and packing
-  the hidden-state files every step, the DDP-safe step module, metrics reduction, progress
-  bar, JSONL log; checkpoints are written only at the end (outside the timed steps).
+- ``loop``: ``speculators_peagle_plugin.training.loop.train`` (the CLI's loop): reading and
+  packing the hidden-state files every step, the DDP-safe step module, metrics reduction,
+  progress bar, JSONL log; checkpoints are written only at the end (outside the timed steps).
 
 The figure is the median step wall time after ``--warmup`` steps; the ratio loop/bare is
 the overhead.

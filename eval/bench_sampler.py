@@ -10,7 +10,6 @@ noise hits both alike. Reported: median wall time per call and the ratio.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from importlib.metadata import version
@@ -18,6 +17,7 @@ from importlib.metadata import version
 import torch
 from speculators.models.peagle.data import generate_cod_sample_indices as upstream
 
+from eval.measure import cpu_model
 from speculators_peagle_plugin import generate_cod_sample_indices as ours
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, speculators {version('speculators')}, "
-        f"{platform.processor() or platform.machine()}, {args.threads} threads"
+        f"{cpu_model()}, {args.threads} threads"
     )
     print("| n | K | speculators (ms) | ours (ms) | ours with 8 documents (ms) | speedup |")
     print("|---:|---:|---:|---:|---:|---:|")

