@@ -39,6 +39,7 @@ from speculators.models.peagle.config import PEagleSpeculatorConfig
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from ..model.peagle_draft import PEagleDraftModel
+from ..model.target import FinalNormInput, eos_token_ids
 from .counters import SpecDecodeCounters
 
 __all__ = [
@@ -49,21 +50,14 @@ __all__ = [
 
 
 def stop_token_ids(target_dir: str | Path, tokenizer=None) -> set[int]:
-    """The ids that end a greedy request: the tokenizer's eos plus generation_config's.
-
-    vLLM stops on the tokenizer's ``eos_token_id`` and adds ``generation_config.json``'s
-    ``eos_token_id`` (int or list) as stop ids; the reference does the same.
-    """
-    ids: set[int] = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    """The ids that end a greedy request, as vLLM stops on them
+    (:func:`~speculators_peagle_plugin.model.target.eos_token_ids` of the target's
+    ``generation_config.json``, when it has one, and ``tokenizer``)."""
     try:
-        eos = GenerationConfig.from_pretrained(str(target_dir)).eos_token_id
+        generation_config = GenerationConfig.from_pretrained(str(target_dir))
     except OSError:  # no generation_config.json
-        eos = None
-    if eos is not None:
-        ids.update(int(i) for i in (eos if isinstance(eos, list) else [eos]))
-    return ids
+        generation_config = None
+    return set(eos_token_ids(tokenizer, generation_config))
 
 
 def load_reference_draft(
@@ -84,21 +78,15 @@ def load_reference_draft(
 class _TargetWithAux:
     """The target with a KV cache, returning logits and the draft's aux states.
 
-    Aux layer id ``L`` is the residual stream after ``L`` decoder layers (vLLM's
-    ``_maybe_add_hidden_state``); transformers' ``hidden_states[L]`` is the same for
-    ``L < N``, but ``hidden_states[N]`` is after the final norm, so the last layer's
-    pre-norm stream is captured with a hook on the norm's input.
+    Aux layer ids follow :mod:`~speculators_peagle_plugin.model.target`: ``hidden_states[L]``
+    for ``L < N``, and the final norm's input for ``L = N``.
     """
 
     def __init__(self, model, layer_ids: Sequence[int]):
         self.model = model
         self.layer_ids = list(layer_ids)
         self.num_layers = model.config.num_hidden_layers
-        self._pre_norm: torch.Tensor | None = None
-        model.model.norm.register_forward_pre_hook(self._capture)
-
-    def _capture(self, module, args) -> None:
-        self._pre_norm = args[0]
+        self._pre_norm = FinalNormInput(model)  # lives as long as the runtime
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, cache: DynamicCache):
@@ -111,7 +99,8 @@ class _TargetWithAux:
         if not want_aux:
             return out.logits[0].float(), None
         states = [
-            self._pre_norm if i == self.num_layers else out.hidden_states[i] for i in self.layer_ids
+            self._pre_norm.value if i == self.num_layers else out.hidden_states[i]
+            for i in self.layer_ids
         ]
         return out.logits[0].float(), torch.cat(states, dim=-1)[0]
 
