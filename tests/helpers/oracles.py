@@ -49,3 +49,54 @@ def kl_target_draft(target_logits, draft_logits) -> torch.Tensor:
     """``KL(softmax(target) || softmax(draft))`` per row, summed over the last axis."""
     log_p = torch.log_softmax(target_logits, -1)
     return (log_p.exp() * (log_p - torch.log_softmax(draft_logits, -1))).sum(-1)
+
+
+def rms_norm(norm, x) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` in the input's dtype (transformers' RMSNorm
+    upcasts to float32 whatever the input, which would blur a float64 comparison)."""
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def rope(x, positions, theta) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x [N, heads, hd]`` at integer ``positions [N]``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = positions[:, None].double() * inv[None]
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos[:, None].to(x) + rot * sin[:, None].to(x)
+
+
+def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tensor:
+    """The draft's decoder layers written out with a dense mask; ``[N, D]`` before the norm.
+
+    Args:
+        draft: a P-EAGLE draft (llama or qwen3 layers; the first takes ``[embeds, hidden]``).
+        ids: ``[N]`` token ids; projected: ``[N, D]`` ``fc``-projected hidden states.
+        positions: ``[N]`` RoPE positions; allowed: ``[N, N]`` bool visibility.
+    """
+    cfg = draft.config.transformer_layer_config
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    theta = cfg.rope_parameters["rope_theta"]
+    emb, h = draft.embed_tokens(ids), projected
+    for i, layer in enumerate(draft.layers):
+        attn = layer.self_attn
+        if i == 0:
+            resid = h
+            x = torch.cat(
+                [rms_norm(layer.input_layernorm, emb), rms_norm(layer.hidden_norm, h)], -1
+            )
+        else:
+            resid, x = h, rms_norm(layer.input_layernorm, h)
+        q = attn.q_proj(x).view(-1, nh, hd)
+        k = attn.k_proj(x).view(-1, nkv, hd)
+        if hasattr(attn, "q_norm"):  # qwen3 normalises each head before RoPE
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k = rope(q, positions, theta), rope(k, positions, theta)
+        k = k.repeat_interleave(nh // nkv, 1)
+        v = attn.v_proj(x).view(-1, nkv, hd).repeat_interleave(nh // nkv, 1)
+        out = masked_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed,
+                               hd**-0.5)  # fmt: skip
+        h = resid + attn.o_proj(out.transpose(0, 1).reshape(-1, nh * hd))
+        h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+    return h
