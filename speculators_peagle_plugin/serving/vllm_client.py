@@ -85,7 +85,9 @@ class VllmWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
+            # -P: the script's folder (serving/) stays off sys.path, so its modules cannot
+            # shadow top-level ones of the same name inside the worker
+            [sys.executable, "-P", str(WORKER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             text=True, bufsize=1, env=env,
         )  # fmt: skip
