@@ -14,15 +14,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from speculators_peagle_plugin import generate_cod_sample_indices
-from speculators_peagle_plugin.kernels import attention
+from speculators_peagle_plugin.kernels import attention, block_sparse, flex
 from speculators_peagle_plugin.kernels.fused_kl import fused_linear_kl
+from speculators_peagle_plugin.kernels.fused_ops import _RMSNormFunction, apply_rotary
 from speculators_peagle_plugin.model import peagle_draft as draft_module
-from speculators_peagle_plugin.model.peagle_draft import (
-    PEagleDraftModel,
-    _apply_rotary,
-    _rms_norm,
-    _RMSNormFunction,
-)
+from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel, _rms_norm
 from speculators_peagle_plugin.training.peagle_trainer import _kl_div_loss
 
 
@@ -95,16 +91,16 @@ def test_compile_failure_logs_once_and_falls_back_to_eager(monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("inductor says no")
 
-    monkeypatch.setattr(attention, "_peagle_compile_supported", lambda q, k, v: True)
-    monkeypatch.setattr(attention, "_peagle_flex_attention_compiled", broken)
-    monkeypatch.setattr(attention, "_peagle_flex_attention_compile_failed", False)
+    monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", broken)
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compile_failed", False)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
     block = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 130, 130, device="cpu")
     with caplog.at_level(logging.WARNING):
-        first = attention._peagle_flex_attention(q, k, v, block, 0.25)
-        second = attention._peagle_flex_attention(q, k, v, block, 0.25)
+        first = flex._peagle_flex_attention(q, k, v, block, 0.25)
+        second = flex._peagle_flex_attention(q, k, v, block, 0.25)
     assert calls == [1]
     assert sum("compile failed" in r.message for r in caplog.records) == 1
     want = flex_attention(q, k, v, block_mask=block, scale=0.25)
@@ -113,7 +109,7 @@ def test_compile_failure_logs_once_and_falls_back_to_eager(monkeypatch, caplog):
 
 def test_compile_support_needs_cuda_and_head_dim_16():
     t = torch.zeros(1, 1, 4, 16)
-    assert not attention._peagle_compile_supported(t, t, t)
+    assert not flex._peagle_compile_supported(t, t, t)
 
 
 # ------------------------------------------------- block-sparse CPU attention vs dense
@@ -153,9 +149,9 @@ def dense_attention(q, k, v, allowed, scale):
 def test_block_sparse_attention_matches_dense_float64(
     monkeypatch, seed, heads, window, band_kernel
 ):
-    monkeypatch.setattr(attention, "CHUNK_ANCHORS", 8)  # many chunks, ragged ones too
+    monkeypatch.setattr(block_sparse, "CHUNK_ANCHORS", 8)  # many chunks, ragged ones too
     if band_kernel == "matmul":
-        monkeypatch.setattr(attention, "_cpu_flash", lambda t: False)
+        monkeypatch.setattr(block_sparse, "_cpu_flash", lambda t: False)
     anchor, depth, doc = random_cod_elements(seed, drop_context=seed % 2 == 1)
     mask = attention.PeagleMask(anchor, depth, doc, window, "chunked")
     n = anchor.shape[0]
@@ -391,7 +387,7 @@ def test_fused_rotary_matches_transformers_forward_and_grads(dtype):
     angle = torch.rand(1, 29, 8, generator=gen, dtype=dtype) * 6
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
     grads = [torch.randn(t.shape, generator=gen, dtype=dtype) for t in (q, k)]
-    got = _apply_rotary(q, k, cos, sin)
+    got = apply_rotary(q, k, cos, sin)
     want = apply_rotary_pos_emb(q, k, cos, sin)
     tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else {}
     for a, b in zip(got, want, strict=True):

@@ -1,7 +1,12 @@
-"""The P-EAGLE cross-depth attention mask as a flex-attention ``mask_mod``.
+"""The P-EAGLE cross-depth attention mask: the visibility rule, written once.
 
-Legend: ``L`` = padded sequence length (``total_seq_len``), ``N`` = COD elements,
-``D`` = documents packed in the row.
+Shapes (see :mod:`speculators_peagle_plugin.core`): ``L`` tokens of the packed row
+(``total_seq_len``), ``N`` COD elements; ``[n_docs]`` counts the documents packed in it.
+
+The rule is composed from four named terms (:func:`same_document`,
+:func:`depth0_context`, :func:`in_window`, :func:`same_rollout`) in
+:func:`peagle_visible`. The flex ``mask_mod`` evaluates it pair by pair; the CPU kernel
+reads it in interval form, :func:`visible_depth0_anchors`, derived from the same terms.
 """
 
 from __future__ import annotations
@@ -13,9 +18,15 @@ from .config import check_int_at_least
 __all__ = [
     "create_peagle_mask_mod",
     "dense_peagle_mask",
+    "depth0_context",
     "document_ids_from_lengths",
     "document_starts",
+    "in_window",
     "lengths_from_document_ids",
+    "peagle_visible",
+    "same_document",
+    "same_rollout",
+    "visible_depth0_anchors",
 ]
 
 
@@ -23,7 +34,7 @@ def document_ids_from_lengths(lengths: torch.Tensor, total_seq_len: int) -> torc
     """Document index per position, -1 for padding (speculators' ``document_ids``).
 
     Args:
-        lengths: ``[D]`` valid length of each document, packed from position 0.
+        lengths: ``[n_docs]`` valid length of each document, packed from position 0.
         total_seq_len: padded length ``L``.
 
     Returns:
@@ -51,7 +62,7 @@ def lengths_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
         document_ids: ``[L]`` or ``[1, L]``, documents numbered 0.. in order, -1 padding.
 
     Returns:
-        ``[D]`` int64 lengths. Example: [0, 0, 1, 1, 1, -1] -> [2, 3].
+        ``[n_docs]`` int64 lengths. Example: [0, 0, 1, 1, 1, -1] -> [2, 3].
     """
     doc = document_ids.reshape(-1)
     return torch.bincount(doc[doc >= 0])
@@ -68,6 +79,83 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(new_doc, pos, 0), 0).values
 
 
+# ---- the visibility rule ------------------------------------------------------------
+# Query element q = (anchor_q, depth_q) and key element k = (anchor_k, depth_k); doc_* is
+# the document of the element's anchor (-1: padding), reference_q = anchor_q + depth_q.
+
+
+def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
+    """Query and key anchors in one document, and the query not padding."""
+    return (doc_q >= 0) & (doc_q == doc_k)
+
+
+def depth0_context(anchor_q: torch.Tensor, anchor_k: torch.Tensor, depth_k: torch.Tensor):
+    """The key is committed real context: depth 0, at or before the query's anchor."""
+    return (depth_k == 0) & (anchor_k <= anchor_q)
+
+
+def in_window(anchor_k: torch.Tensor, reference_q: torch.Tensor, sliding_window: int):
+    """The context key lies in the window ``W`` ending at the query's reference position.
+
+    ``anchor_k > reference_q - W`` (speculators' rule): measured from ``anchor_q + depth_q``.
+    """
+    return anchor_k > reference_q - sliding_window
+
+
+def same_rollout(anchor_q: torch.Tensor, anchor_k: torch.Tensor, depth_q: torch.Tensor, depth_k):
+    """The key is in the query's own rollout (same anchor) at an earlier-or-equal depth."""
+    return (anchor_k == anchor_q) & (depth_k <= depth_q)
+
+
+def peagle_visible(
+    anchor_q, depth_q, doc_q, reference_q, anchor_k, depth_k, doc_k, sliding_window=None
+) -> torch.Tensor:
+    """Whether query ``q`` sees key ``k``, elementwise over broadcastable tensors.
+
+    ``same_document & ((depth0_context & in_window) | same_rollout)``; without a window
+    the context term stands alone. The window limits the context term only, so an
+    element always sees its own rollout.
+    """
+    context = depth0_context(anchor_q, anchor_k, depth_k)
+    if sliding_window is not None:
+        context = context & in_window(anchor_k, reference_q, sliding_window)
+    rollout = same_rollout(anchor_q, anchor_k, depth_q, depth_k)
+    return same_document(doc_q, doc_k) & (context | rollout)
+
+
+def visible_depth0_anchors(
+    anchor_pos: torch.Tensor,
+    depth: torch.Tensor,
+    document_ids: torch.Tensor,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depth-0 keys each element sees, as an inclusive anchor range ``[first, last]``.
+
+    :func:`peagle_visible` restricted to depth-0 keys: :func:`depth0_context` gives
+    ``anchor_k <= anchor_q``; :func:`same_rollout` adds ``anchor_k == anchor_q`` (depth 0
+    is ``<=`` every depth); :func:`same_document` gives ``anchor_k >= doc_start(anchor_q)``,
+    as documents are contiguous; :func:`in_window` gives ``anchor_k >= reference_q - W + 1``
+    for the context term only, so the query's own anchor stays in. Hence
+    ``first = max(doc_start, min(anchor_q, reference_q - W + 1))``, ``last = anchor_q``,
+    so ``first <= last``; a sequence may still hold no depth-0 element in the range. A
+    padding query sees nothing; the caller skips it.
+
+    Args:
+        anchor_pos, depth: ``[N]`` elements.
+        document_ids: ``[L]`` document per position, -1 padding.
+
+    Returns:
+        ``(first [N], last [N])`` anchors. Example: one document, ``W = 2``, element
+        ``(anchor 3, depth 2)``: reference 5, ``first = max(0, min(3, 4)) = 3``, so only
+        the depth-0 element at anchor 3 (its own rollout).
+    """
+    first = document_starts(document_ids)[anchor_pos]
+    if sliding_window is not None:
+        window_first = torch.minimum(anchor_pos, anchor_pos + depth - sliding_window + 1)
+        first = torch.maximum(first, window_first)
+    return first, anchor_pos
+
+
 def create_peagle_mask_mod(
     anchor_pos: torch.Tensor,
     depth: torch.Tensor,
@@ -81,7 +169,7 @@ def create_peagle_mask_mod(
     Args:
         anchor_pos: ``[N]`` chain start position of each element.
         depth: ``[N]`` COD round of each element.
-        lengths: ``[D]`` valid length of each packed document (from position 0).
+        lengths: ``[n_docs]`` valid length of each packed document (from position 0).
         total_seq_len: padded length ``L`` of the original row.
         sliding_window: optional window ``W`` on the depth-0 branch: a context key
             must satisfy ``anchor_k > anchor_q + depth_q - W`` (speculators' rule,
@@ -90,10 +178,10 @@ def create_peagle_mask_mod(
     Returns:
         ``peagle_mask(b, h, q_idx, kv_idx) -> bool``, for ``create_block_mask``.
 
-    Rule: query ``q`` sees key ``k`` iff both anchors are in the same document,
-    ``q``'s document is not padding, and either ``k`` is depth 0 with
-    ``anchor_k <= anchor_q`` (causal real context), or ``k`` is in ``q``'s own
-    rollout (``anchor_k == anchor_q``) with ``depth_k <= depth_q``.
+    Rule (:func:`peagle_visible`): query ``q`` sees key ``k`` iff both anchors are in
+    the same document, ``q``'s document is not padding, and either ``k`` is depth 0
+    with ``anchor_k <= anchor_q`` (causal real context, inside the window if any), or
+    ``k`` is in ``q``'s own rollout (``anchor_k == anchor_q``) with ``depth_k <= depth_q``.
 
     Example (one document, L = 6):
     ``anchor_pos = [0,1,2,3,4,5, 0,1,3,4, 0,3, 0]``, ``depth = [0,0,0,0,0,0, 1,1,1,1, 2,2, 3]``:
@@ -112,13 +200,16 @@ def create_peagle_mask_mod(
     reference = anchor_pos + depth  # [N]
 
     def peagle_mask(b, h, q_idx, kv_idx):
-        a_q, a_k = anchor_pos[q_idx], anchor_pos[kv_idx]
-        context = (depth[kv_idx] == 0) & (a_k <= a_q)
-        if sliding_window is not None:
-            context = context & (a_k > reference[q_idx] - sliding_window)
-        rollout = (a_k == a_q) & (depth[kv_idx] <= depth[q_idx])
-        d_q = elem_doc[q_idx]
-        return (d_q >= 0) & (d_q == elem_doc[kv_idx]) & (context | rollout)
+        return peagle_visible(
+            anchor_pos[q_idx],
+            depth[q_idx],
+            elem_doc[q_idx],
+            reference[q_idx],
+            anchor_pos[kv_idx],
+            depth[kv_idx],
+            elem_doc[kv_idx],
+            sliding_window,
+        )
 
     peagle_mask.__name__ = (
         "peagle_mask" if sliding_window is None else f"peagle_mask_sliding_window_{sliding_window}"

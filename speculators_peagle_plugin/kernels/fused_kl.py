@@ -1,16 +1,16 @@
 """Fused ``lm_head`` + KL(target || draft), row chunk by row chunk.
 
-Legend: ``n`` = charged rows, ``m`` = distinct target positions, ``H`` = draft
-hidden size, ``V_d`` = draft vocabulary, ``z`` = draft logits of a row, ``p`` = its
-target distribution.
+Shapes (see :mod:`speculators_peagle_plugin.core`): ``D`` draft hidden size, ``V_d``
+draft vocabulary. Local: ``n`` charged rows, ``m`` distinct target positions, ``z`` the
+draft logits of a row, ``p`` its target distribution.
 
 Why our own: the plain path (``lm_head`` -> ``log_softmax`` -> KL -> autograd) keeps
-several ``[n, V_d]`` float tensors alive until backward; at 8K tokens and K = 8
-that is ~1 GB each. The loss is a sum over rows, so its gradient with respect to
-the logits is known in the forward, ``sum(p) * softmax(z) - p`` per row. Each chunk
-therefore turns straight into ``grad_hidden = g @ W`` and ``grad_W += g.T @ hidden``
-and is dropped: peak extra memory is three reused ``[chunk, V_d]`` buffers, and the
-backward is a scale by the incoming scalar gradient.
+several ``[n, V_d]`` float tensors alive until backward, each as large as the draft's
+logits over every charged element of the row. The loss is a sum over rows, so its
+gradient with respect to the logits is known in the forward, ``sum(p) * softmax(z) - p``
+per row. Each chunk therefore turns straight into ``grad_hidden = g @ W`` and
+``grad_W += g.T @ hidden`` and is dropped: peak extra memory is three reused
+``[chunk, V_d]`` buffers, and the backward is a scale by the incoming scalar gradient.
 
 Per row, ``KL = sum p log p - p . z + sum(p) * lse(z)``: the first term is computed
 once per distinct target position, so no ``[chunk, V_d]`` log-softmax is formed.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-# 512 rows x 8K vocab is 16 MB of float32 per buffer: the chunk's elementwise passes stay
-# in a 32 MB L3. Demo shapes (1000 rows, 2 threads): fused KL forward + backward 113 ms with
-# 512-row chunks vs 126 ms with 1024 (bfloat16 matmuls), 184 vs 197 ms (float32).
+# Rows per chunk: small enough that a chunk's [rows, V_d] float32 buffers stay in the last
+# level cache across the chunk's elementwise passes, large enough that its matmuls stay
+# efficient (``python -m eval.bench_train_step`` times the step).
 CHUNK_ROWS = 512
 
 
@@ -115,8 +115,8 @@ def fused_linear_kl(
     """``sum_i KL(softmax(target[target_rows[i]]) || softmax(hidden[i] @ weight.T))``.
 
     Args:
-        hidden: ``[n, H]`` rows entering the (bias-free) ``lm_head``.
-        weight: ``[V_d, H]`` ``lm_head`` weight.
+        hidden: ``[n, D]`` rows entering the (bias-free) ``lm_head``.
+        weight: ``[V_d, D]`` ``lm_head`` weight.
         target_logits: ``[m, V_d]`` target logits at the distinct positions (no grad).
         target_rows: ``[n]`` row of ``target_logits`` for each hidden row.
 

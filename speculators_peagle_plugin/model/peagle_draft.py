@@ -1,10 +1,12 @@
 """P-EAGLE draft model: mixins over speculators 0.9.0's EAGLE-3 draft classes.
 
-The mixins reference only attributes the host classes define plus the helpers in
-:mod:`.attention`; nothing here imports from a module that imports this one.
+The mixins reference only attributes the host classes define plus the kernels in
+:mod:`speculators_peagle_plugin.kernels`; nothing here imports from a module that
+imports this one.
 
-Legend: ``N`` = COD elements in the flat sequence, ``H`` = draft hidden size,
-``H_t`` = target hidden size, ``n_aux`` = captured target layers.
+Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the flat
+sequence, ``H`` target hidden size, ``D`` draft hidden size, ``A`` aux layers, ``V_d``
+draft vocabulary, ``hd`` head dim.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from ..core.peagle_attention import document_ids_from_lengths
 from ..kernels.attention import PeagleMask, peagle_attention, resolve_attention_impl
+from ..kernels.fused_ops import _RMSNormFunction, apply_rotary
 
 __all__ = [
     "PEagleDraftModel",
@@ -38,36 +41,6 @@ __all__ = [
     "_PeagleDraftMixin",
     "_PeagleVanillaLayerMixin",
 ]
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """``weight * x * rsqrt(mean(x**2, -1) + eps)`` with a hand-written backward.
-
-    transformers' RMSNorm is five elementwise ops whose autograd graph takes about
-    twice the memory passes; this is the same formula (float32 in, float32 math),
-    in three passes forward and five backward, saving ``x`` and the ``[..., 1]`` scale.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        width = x.shape[-1]
-        r = torch.rsqrt(torch.einsum("...i,...i->...", x, x).div_(width).add_(eps)).unsqueeze(-1)
-        ctx.save_for_backward(x, r, weight)
-        return (x * r).mul_(weight)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, r, weight = ctx.saved_tensors
-        width = x.shape[-1]
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[1]:  # sum over rows of grad_y * x * r
-            grad_w = torch.mv((grad_y * x).reshape(-1, width).T, r.reshape(-1))
-        if ctx.needs_input_grad[0]:
-            # d/dx of w x r: r (u - x r**2 (u . x) / width), u = grad_y * w
-            u = grad_y * weight
-            c = torch.einsum("...i,...i->...", u, x).unsqueeze(-1).mul_(r.pow(3)).div_(width)
-            grad_x = torch.addcmul(u.mul_(r), x, c, value=-1)
-        return grad_x, grad_w, None
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -79,31 +52,6 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             return _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
     return norm(x)
-
-
-class _RotaryFunction(torch.autograd.Function):
-    """transformers' ``x * cos + rotate_half(x) * sin`` in place-updated halves.
-
-    Same arithmetic, no ``rotate_half`` copy; the backward needs only ``cos, sin``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        half = x.shape[-1] // 2
-        out = x * cos
-        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-        ctx.save_for_backward(cos, sin)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        cos, sin = ctx.saved_tensors
-        half = grad_out.shape[-1] // 2
-        grad_x = grad_out * cos
-        grad_x[..., :half].addcmul_(grad_out[..., half:], sin[..., half:])
-        grad_x[..., half:].addcmul_(grad_out[..., :half], sin[..., :half], value=-1)
-        return grad_x, None, None
 
 
 def _expand_mask_slots(x: torch.Tensor, mask_slots: int) -> torch.Tensor:
@@ -118,12 +66,6 @@ def _expand_mask_slots(x: torch.Tensor, mask_slots: int) -> torch.Tensor:
     if mask_slots == 0:
         return x
     return torch.cat([x[:, :-1], x[:, -1:].expand(-1, mask_slots, *x.shape[2:])], dim=1)
-
-
-def _apply_rotary(q, k, cos, sin):
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (cos, sin: ``[1, N, D]``)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return _RotaryFunction.apply(q, cos, sin), _RotaryFunction.apply(k, cos, sin)
 
 
 class _PeagleAttentionMixin:
@@ -150,7 +92,7 @@ class _PeagleAttentionMixin:
             block_mask: the COD visibility (:class:`PeagleMask`).
 
         Returns:
-            ``[1, N, H]``. No per-depth rotary offset and no cache: the depth is in
+            ``[1, N, D]``. No per-depth rotary offset and no cache: the depth is in
             the positions, the cross-depth visibility entirely in ``block_mask``.
         """
         shape = (*combined_states.shape[:-1], -1, self.head_dim)
@@ -161,8 +103,8 @@ class _PeagleAttentionMixin:
             q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
         q, k, v = (_expand_mask_slots(t, mask_slots).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
-        q, k = _apply_rotary(q, k, cos, sin)
-        out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, heads, N, D]
+        q, k = apply_rotary(q, k, cos, sin)
+        out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, nh, N, hd]
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -182,11 +124,11 @@ class _PeagleDecoderLayerMixin:
         """Same norms, residuals and MLP as speculators' first layer, COD attention.
 
         Args:
-            input_embeds: ``[1, N, H]`` token embeddings (mask token at depth >= 1).
-            hidden_states: ``[1, N, H]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
-            mask_slots: ``m > 0`` gives both inputs as ``[1, N - m + 1, H]``, the last row
+            input_embeds: ``[1, N, D]`` token embeddings (mask token at depth >= 1).
+            hidden_states: ``[1, N, D]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
+            mask_slots: ``m > 0`` gives both inputs as ``[1, N - m + 1, D]``, the last row
                 standing for the sequence's last ``m`` rows (their norms and q/k/v
-                projections then run once). Returns ``[1, N, H]`` either way.
+                projections then run once). Returns ``[1, N, D]`` either way.
         """
         residual = hidden_states
         hidden = _rms_norm(self.hidden_norm, hidden_states)
@@ -214,7 +156,7 @@ class _PeagleVanillaLayerMixin:
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """Standard pre-norm block over ``[1, N, H]`` with the COD mask."""
+        """Standard pre-norm block over ``[1, N, D]`` with the COD mask."""
         out = hidden_states + self.self_attn.forward_peagle(
             _rms_norm(self.input_layernorm, hidden_states),
             position_ids,
@@ -230,7 +172,7 @@ class _PeagleDraftMixin:
     attention_impl: str = "auto"
 
     def _init_peagle_parameters(self, config) -> None:
-        """Register the learnable ``mask_hidden``, shape ``[1, 1, n_aux * H_t]``.
+        """Register the learnable ``mask_hidden``, shape ``[1, 1, A * H]``.
 
         It stands in for the target's aux states at every depth >= 1 slot and sits
         before ``fc`` (``fc.in_features`` wide), so it goes through the same norms
@@ -240,7 +182,7 @@ class _PeagleDraftMixin:
         self.mask_hidden = torch.nn.Parameter(torch.randn(1, 1, self.fc.in_features))
 
     def project_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., n_aux * H_t] -> [..., H]``: optional input norm / per-aux norms, then ``fc``."""
+        """``[..., A * H] -> [..., D]``: optional input norm / per-aux norms, then ``fc``."""
         if self.input_norm is not None:
             aux_hidden_states = self.input_norm(aux_hidden_states)
         if self.fc_norm is not None:
@@ -251,7 +193,7 @@ class _PeagleDraftMixin:
         return self.fc(aux_hidden_states)
 
     def masked_projected_hidden(self) -> torch.Tensor:
-        """``mask_hidden`` through :meth:`project_hidden_states`: ``[1, H]``."""
+        """``mask_hidden`` through :meth:`project_hidden_states`: ``[1, D]``."""
         return self.project_hidden_states(self.mask_hidden)[0]
 
     def build_peagle_block_mask(
@@ -296,7 +238,7 @@ class _PeagleDraftMixin:
 
         Args:
             sampled_input_ids: ``[1, N]`` real ids at depth 0, ``mask_token_id`` deeper.
-            sampled_projected_hidden: ``[1, N, H]`` projected aux states at depth 0,
+            sampled_projected_hidden: ``[1, N, D]`` projected aux states at depth 0,
                 :meth:`masked_projected_hidden` deeper.
             position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``.
             block_mask: per-layer masks from :meth:`build_peagle_block_mask`.
@@ -307,7 +249,7 @@ class _PeagleDraftMixin:
                 is used for all ``m``; 0 (the default) treats every row as its own.
 
         Returns:
-            ``[1, N, H]`` pre-logits states (after ``norm`` when ``config.norm_output``).
+            ``[1, N, D]`` pre-logits states (after ``norm`` when ``config.norm_output``).
         """
         n = sampled_input_ids.shape[1]
         if (
@@ -335,7 +277,7 @@ class _PeagleDraftMixin:
         return hidden if self.config.norm_output else _rms_norm(self.norm, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of :meth:`forward_peagle` rows: ``[..., H] -> [..., V_d]``."""
+        """Draft-vocabulary logits of :meth:`forward_peagle` rows: ``[..., D] -> [..., V_d]``."""
         return self.lm_head(self.lm_head_inputs(hidden))
 
 
