@@ -28,7 +28,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 # The README's first command: SmolLM2-135M-Instruct -> its own replies -> a P-EAGLE draft ->
-# acceptance in vLLM (~25 min on 2 CPU cores; reruns skip finished stages).
+# acceptance in vLLM (its time is in eval/RESULTS.md; reruns skip finished stages).
 # `make demo DEMO_ARGS=--quick` runs the CI-sized version.
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/speculators-peagle demo $(DEMO_ARGS)
