@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .core.config import CODConfig
-from .core.peagle_attention import create_peagle_mask_mod
-from .core.peagle_data import assign_cod_segments, generate_cod_sample_indices
 from .model.build import build_peagle_draft
 from .training.algorithm import Algorithm
 
@@ -44,10 +41,6 @@ PEAGLE = Algorithm(
     name="peagle",
     summary="P-EAGLE: parallel drafting of K tokens in one forward, COD sampling, "
     "exact sequence partitioning.",
-    config_class=CODConfig,
-    sampler=generate_cod_sample_indices,
-    mask_mod_factory=create_peagle_mask_mod,
-    segment_assigner=assign_cod_segments,
     build_draft=build_peagle_draft,
     build_trainer=build_peagle_trainer,
 )

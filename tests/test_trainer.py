@@ -215,11 +215,13 @@ def test_segments_sum_to_the_flat_loss_and_gradient(num_layers, checkpointing, p
     draft.train()
     plan = assert_partitioned_equals_flat(draft, ids, t2d, packed_batch(seed), partitions, seed)
     # every supervised element is charged exactly once, empty segments skipped
-    assert all(bool(u[4].any()) for u in plan.units)
+    assert all(bool(u.loss_positions.any()) for u in plan.units)
     charged = sorted(
-        (u[0], a, d)
+        (u.b, a, d)
         for u in plan.units
-        for a, d in zip(u[1][u[4]].tolist(), u[2][u[4]].tolist(), strict=True)
+        for a, d in zip(
+            u.anchor[u.loss_positions].tolist(), u.depth[u.loss_positions].tolist(), strict=True
+        )
     )
     assert len(charged) == len(set(charged)) == int(plan.total_den)
     assert len(plan) <= 2 * partitions
@@ -235,7 +237,7 @@ def test_windowed_segments_trim_context_and_stay_exact(num_layers, window, parti
     plan = assert_partitioned_equals_flat(draft, ids, t2d, batch, partitions, seed)
     # the trim is real: some segment starts its context after position 0 of its document
     reach = num_layers * (window - 1)
-    assert any(int(u[1][u[2] == 0].min()) > 0 for u in plan.units if partitions * reach < 97)
+    assert any(int(u.anchor[u.depth == 0].min()) > 0 for u in plan.units if partitions * reach < 97)
 
 
 def test_gradient_checkpointing_gives_identical_loss_and_gradients():

@@ -1,1 +1,11 @@
-"""core"""
+"""The P-EAGLE algorithm itself: COD sampling, segments, the visibility rule, its knobs.
+
+Shape letters, the same in every module of the package (a module's own local letters are
+listed in its docstring):
+
+- ``B`` batch rows, ``L`` tokens per packed row, ``N`` COD elements of a row (or of one
+  segment of it), ``K`` depths, ``S`` segments;
+- ``H`` target hidden size, ``D`` draft hidden size, ``A`` aux (captured target) layers;
+- ``V`` target vocabulary, ``V_d`` draft vocabulary;
+- ``nh`` / ``nkv`` attention / key-value heads, ``hd`` head dim.
+"""

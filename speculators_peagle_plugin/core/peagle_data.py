@@ -1,7 +1,7 @@
 """COD sampling and sequence-partition assignment for P-EAGLE.
 
-Legend: ``L`` = padded sequence length, ``N`` = number of COD-sampled elements,
-``S`` = number of segments. An element is a pair ``(anchor_pos, depth)``; its
+Shapes (see :mod:`speculators_peagle_plugin.core`): ``L`` tokens of the padded row,
+``N`` COD-sampled elements, ``K`` depths, ``S`` segments. An element is a pair ``(anchor_pos, depth)``; its
 reference (target) position is ``anchor_pos + depth``.
 """
 

@@ -1,8 +1,8 @@
 """Algorithm discovery through the ``speculators.algorithms`` entry-point group.
 
 Any installed distribution that declares the group offers an algorithm; ``--algorithm NAME``
-picks one. An algorithm object provides what the training loop calls: ``build_draft`` and
-``build_trainer`` (see :class:`Algorithm`).
+picks one. The training loop reaches an algorithm only through :class:`Algorithm`'s two
+builders and the :class:`TrainerModule` protocol of what ``build_trainer`` returns.
 """
 
 from __future__ import annotations
@@ -10,36 +10,49 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 ENTRY_POINT_GROUP = "speculators.algorithms"
 
 
+class TrainerModule(Protocol):
+    """What the training loop calls on the module an algorithm's ``build_trainer`` returns.
+
+    ``generator`` is set by the loop before each step: the step's random draws (COD
+    sampling, for P-EAGLE) come from it, so a step is a pure function of its seed.
+    ``segments(batch)`` lists the step's forwards, each back-propagated on its own
+    (``[None]``: one forward over the batch). ``forward_batch(batch, segment)`` returns
+    metrics with ``loss`` (grad-carrying), ``loss_sum``, ``total_den``, and ``[K]``
+    ``correct`` / ``valid`` counts.
+    """
+
+    generator: torch.Generator | None
+
+    def segments(self, batch: dict) -> list: ...
+
+    def forward_batch(self, batch: dict, peagle_segment: Any = None) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Algorithm:
-    """What a training CLI needs to know about one drafting algorithm.
+    """A drafting algorithm, as its entry point offers it.
 
     Args:
         name: the value of ``--algorithm`` that selects it.
         summary: one line for listings.
-        config_class: the typed knobs (defaults live there).
-        sampler: draws the flattened training elements of one row.
-        mask_mod_factory: builds the attention ``mask_mod`` over those elements.
-        segment_assigner: splits the elements into sequence partitions.
         build_draft: ``(train_config, *, d2t, t2d, target_layer_ids, mask_token_id) ->
             draft`` (a speculators ``SpeculatorModel``).
-        build_trainer: ``(draft, train_config, *, mask_token_id) -> module`` with
-            ``forward_batch(batch, peagle_segment=None)`` returning metrics with ``.loss``
-            and ``build_peagle_plan(loss_mask, document_ids=...)``.
+        build_trainer: ``(draft, train_config, *, mask_token_id) ->`` a
+            :class:`TrainerModule` over the draft.
     """
 
     name: str
     summary: str
-    config_class: type
-    sampler: Callable
-    mask_mod_factory: Callable
-    segment_assigner: Callable
-    build_draft: Callable | None = None
-    build_trainer: Callable | None = None
+    build_draft: Callable
+    build_trainer: Callable
 
 
 def discover_algorithms() -> dict[str, object]:

@@ -1,35 +1,26 @@
 """P-EAGLE training module: COD sample -> flat draft forward -> KL over the draft vocab.
 
-Legend: ``B`` = rows, ``L`` = padded row length, ``N`` = COD elements of a row (or
-segment), ``V`` / ``V_d`` = target / draft vocabulary, ``K`` = depths.
+Shapes (see :mod:`speculators_peagle_plugin.core`): ``B`` batch rows, ``L`` tokens per
+row, ``N`` COD elements of a row (or of one segment), ``K`` depths, ``A`` aux layers,
+``H`` target hidden size, ``V`` / ``V_d`` target / draft vocabulary.
 
-Why partitioning is exact (causal completion): an element's attention reads only
-depth-0 elements of earlier-or-equal anchors in its document plus its own
-rollout. A segment owns depth-0 elements by ``anchor`` and deeper ones by
-``anchor + 1`` (:func:`assign_cod_segments`), and also carries every depth-0
-element of earlier-or-equal segments as key/value context. So every owned
-element sees, at every layer, exactly the keys it sees in the flat forward, and
-each supervised element is charged in exactly one segment: the segment losses
-sum to the flat loss and, through the full dependency graph, their gradients
-sum to the flat gradient.
+The batch checks are in :mod:`.batch`, the partition plan (and why partitioning is
+exact) in :mod:`.plan`, the reported figures in :mod:`.metrics`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..core.config import CODConfig, check_int_at_least
-from ..core.peagle_attention import document_starts, lengths_from_document_ids
-from ..core.peagle_data import assign_cod_segments, generate_cod_sample_indices
+from ..core.peagle_attention import lengths_from_document_ids
+from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels.fused_kl import fused_linear_kl
+from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
+from .metrics import PEagleStepMetrics
+from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
 
-__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "_PeaglePlan", "_kl_div_loss"]
-
-
-def _row(tensor: torch.Tensor | None, b: int) -> torch.Tensor | None:
-    return None if tensor is None else tensor[b]
+__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "PlanUnit", "_PeaglePlan", "_kl_div_loss"]
 
 
 def _kl_div_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -44,78 +35,11 @@ def _kl_div_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Ten
     return (log_p_target.exp() * (log_p_target - log_p_draft)).sum(-1)
 
 
-@dataclass
-class PEagleStepMetrics:
-    """Loss and accuracies of one forward (a batch, or one segment of it).
-
-    Args:
-        loss: grad-carrying scalar, this forward's share of the count-normalised batch loss.
-        loss_sum: detached ``sum KL`` over the charged elements.
-        correct: ``[K]`` argmax matches per depth.
-        valid: ``[K]`` charged (supervised) elements per depth.
-        total_den: the batch's one loss denominator (supervised elements in all rows).
-    """
-
-    loss: torch.Tensor
-    loss_sum: torch.Tensor
-    correct: torch.Tensor
-    valid: torch.Tensor
-    total_den: torch.Tensor
-
-    def __add__(self, other: PEagleStepMetrics) -> PEagleStepMetrics:
-        return PEagleStepMetrics(
-            self.loss + other.loss,
-            self.loss_sum + other.loss_sum,
-            self.correct + other.correct,
-            self.valid + other.valid,
-            self.total_den,
-        )
-
-    @property
-    def accuracy(self) -> float:
-        return float(self.correct.sum() / self.valid.sum().clamp(min=1))
-
-    @property
-    def accuracy_per_depth(self) -> list[float]:
-        return (self.correct / self.valid.clamp(min=1)).tolist()
-
-    @property
-    def acceptance_length(self) -> float:
-        """Estimated tokens per verify step: ``1 + sum_k prod_{j<=k} acc_j``.
-
-        Greedy chain acceptance, treating per-depth teacher-forced accuracies as
-        independent acceptance rates; 1 is the bonus token.
-        """
-        acc = self.correct / self.valid.clamp(min=1)
-        return float(1 + torch.cumprod(acc.double(), 0).sum())
-
-
-class _PeaglePlan:
-    """Sequence-partitioning plan: one ``unit`` per non-empty ``(row, segment)``.
-
-    A plain class on purpose: DDP scatters tensors and built-in containers in its
-    inputs, and would slice a tuple of tensors along dim 0.
-
-    Args:
-        units: ``(b, anchor_pos [n], depth [n], orig_positions [n], loss_positions [n] bool)``.
-        total_den: the batch's supervised-element count (the one loss denominator).
-        document_ids: ``[B, L]`` document per position, -1 padding.
-    """
-
-    def __init__(self, units: list[tuple], total_den: torch.Tensor, document_ids=None):
-        self.units = units
-        self.total_den = total_den
-        self.document_ids = document_ids
-
-    def __len__(self) -> int:
-        return len(self.units)
-
-
 class PEagleTrainerModule(torch.nn.Module):
     """Draft-side P-EAGLE trainer: all ``num_depths`` tokens in one parallel forward.
 
     Args:
-        draft_model: a :class:`~speculators_peagle_plugin.draft.PEagleDraftModel`.
+        draft_model: a :class:`~speculators_peagle_plugin.model.peagle_draft.PEagleDraftModel`.
         selected_token_ids: ``[V_d]`` target id of each draft-vocabulary id.
         selected_token_mask: ``[V]`` bool, True at target ids in the draft vocabulary.
         num_depths: ``K``; mask_token_id: id fed at depth >= 1 slots.
@@ -149,7 +73,7 @@ class PEagleTrainerModule(torch.nn.Module):
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
                 "draft_model has no learnable mask_hidden parameter; P-EAGLE needs a draft "
-                "built with it (speculators_peagle_plugin.draft.PEagleDraftModel)."
+                "built with it (speculators_peagle_plugin.model.peagle_draft.PEagleDraftModel)."
             )
         vocab = draft_model.embed_tokens.num_embeddings
         if (
@@ -181,52 +105,6 @@ class PEagleTrainerModule(torch.nn.Module):
 
     # ---- batch plumbing ------------------------------------------------------
 
-    @staticmethod
-    def _document_ids(input_ids, attention_mask, document_ids) -> torch.Tensor:
-        """``[B, L]`` document ids: given, or one document of each row's valid length."""
-        if document_ids is not None:
-            if document_ids.shape != input_ids.shape:
-                raise ValueError(
-                    f"document_ids must match input_ids' shape {list(input_ids.shape)}, "
-                    f"got {list(document_ids.shape)}."
-                )
-            return document_ids.long()
-        if attention_mask is None:
-            return torch.zeros_like(input_ids, dtype=torch.long)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask must match input_ids' shape {list(input_ids.shape)}, "
-                f"got {list(attention_mask.shape)}."
-            )
-        length = attention_mask.long().sum(-1, keepdim=True)  # [B, 1]
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return torch.where(pos < length, 0, -1)
-
-    def _check_shapes(self, input_ids, loss_mask, aux_hidden_states, target_logits, verifier):
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, L], got {list(input_ids.shape)}.")
-        batch, length = input_ids.shape
-        checks = [
-            ("loss_mask", loss_mask, (batch, length)),
-            ("aux_hidden_states", aux_hidden_states, (batch, length)),
-            ("target_logits", target_logits, (batch, length)),
-            ("verifier_last_hidden_states", verifier, (batch, length)),
-        ]
-        for name, tensor, lead in checks:
-            if tensor is not None and tuple(tensor.shape[:2]) != lead:
-                raise ValueError(
-                    f"{name} must start with input_ids' shape {list(lead)}, "
-                    f"got {list(tensor.shape)}."
-                )
-        width = self.draft.fc.in_features
-        if aux_hidden_states.shape[-1] != width:
-            raise ValueError(
-                f"aux_hidden_states must have n_aux * target_hidden = {width} features, "
-                f"got {aux_hidden_states.shape[-1]}."
-            )
-        if (target_logits is None) == (verifier is None):
-            raise ValueError("pass exactly one of target_logits or verifier_last_hidden_states.")
-
     def _sample_row(self, loss_mask_row, doc_row):
         return generate_cod_sample_indices(
             doc_row.shape[0],
@@ -238,10 +116,6 @@ class PEagleTrainerModule(torch.nn.Module):
             max_anchors=self.cod.max_anchors,
             generator=self.generator,
         )
-
-    @staticmethod
-    def _supervised(loss_mask_row, doc_row, orig_positions):
-        return (loss_mask_row[orig_positions] != 0) & (doc_row[orig_positions] >= 0)
 
     def _targets(self, positions, target_logits_row, verifier_row) -> torch.Tensor:
         """Target logits over the draft vocabulary at ``positions`` only: ``[n, V_d]``."""
@@ -266,18 +140,19 @@ class PEagleTrainerModule(torch.nn.Module):
         row_length: torch.Tensor,
         seq_len: int,
         *,
-        document_ids_row: torch.Tensor | None = None,
         verifier_row: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft forward + KL for one row's elements (the flat row, or one segment).
 
         Args:
-            input_ids_row: ``[L]``; aux_row: ``[L, n_aux * H_t]``;
-            target_logits_row: ``[L, V or V_d]`` or ``None`` (then ``verifier_row [L, H_t]``).
-            anchor_pos, depth, orig_positions: ``[n]`` elements, depth-major.
-            loss_positions: ``[n]`` bool, the elements charged here; the rest ride
+            input_ids_row: ``[L]``; aux_row: ``[L, A * H]``;
+            target_logits_row: ``[L, V or V_d]`` or ``None`` (then ``verifier_row [L, H]``).
+            anchor_pos, depth, orig_positions: ``[N]`` elements, depth-major.
+            loss_positions: ``[N]`` bool, the elements charged here; the rest ride
                 along as key/value context and get no ``lm_head`` call.
-            row_length: valid length (one document) when ``document_ids_row`` is None.
+            row_length: the row's valid length, per packed document: ``[n_docs]``
+                lengths from position 0 (their sum is the valid length), or a scalar
+                for a row of one document. Positions past it are padding.
             seq_len: ``L``.
 
         Returns:
@@ -286,10 +161,6 @@ class PEagleTrainerModule(torch.nn.Module):
             counts (``.sum()`` gives the pooled figures). The caller normalises.
         """
         draft = self.draft
-        if document_ids_row is None:
-            document_ids_row = torch.where(
-                torch.arange(seq_len, device=anchor_pos.device) < row_length, 0, -1
-            )
         is_ctx = depth == 0
         n0 = int(is_ctx.sum())
         assert bool(is_ctx[:n0].all()), "elements must be depth-major"
@@ -304,7 +175,7 @@ class PEagleTrainerModule(torch.nn.Module):
             ]
         )
         masks = draft.build_peagle_block_mask(
-            anchor_pos, depth, lengths_from_document_ids(document_ids_row), seq_len
+            anchor_pos, depth, torch.as_tensor(row_length), seq_len
         )
         hidden = draft.forward_peagle(
             sampled_ids[None],
@@ -363,10 +234,15 @@ class PEagleTrainerModule(torch.nn.Module):
                 peagle_segment,
                 verifier_last_hidden_states=verifier_last_hidden_states,
             )
-        self._check_shapes(
-            input_ids, loss_mask, aux_hidden_states, target_logits, verifier_last_hidden_states
+        check_batch_shapes(
+            input_ids,
+            loss_mask,
+            aux_hidden_states,
+            target_logits,
+            verifier_last_hidden_states,
+            self.draft.fc.in_features,
         )
-        docs = self._document_ids(input_ids, attention_mask, document_ids)
+        docs = batch_document_ids(input_ids, attention_mask, document_ids)
         seq_len = input_ids.shape[1]
         parts = []
         for b in range(input_ids.shape[0]):
@@ -376,15 +252,14 @@ class PEagleTrainerModule(torch.nn.Module):
                 self._peagle_position_loss(
                     input_ids[b],
                     aux_hidden_states[b],
-                    _row(target_logits, b),
+                    row(target_logits, b),
                     anchor,
                     depth,
                     ref,
-                    self._supervised(loss_mask[b], docs[b], ref),
-                    None,
+                    supervised_elements(loss_mask[b], docs[b], ref),
+                    lengths_from_document_ids(docs[b]),
                     seq_len,
-                    document_ids_row=docs[b],
-                    verifier_row=_row(verifier_last_hidden_states, b),
+                    verifier_row=row(verifier_last_hidden_states, b),
                 )
             )
         num, den, correct, valid = (torch.stack(x).sum(0) for x in zip(*parts, strict=True))
@@ -416,41 +291,35 @@ class PEagleTrainerModule(torch.nn.Module):
     ) -> _PeaglePlan:
         """Sample COD once per row and split it into ``sequence_partitions`` segments.
 
-        Each unit holds the segment's owned elements plus, as context, every depth-0
-        element of earlier-or-equal segments that can reach them: from the first owned
-        element's document start (earlier documents are invisible at every layer), and
-        when every layer is windowed, within ``num_layers * (W - 1)`` anchors of it.
-        ``loss_positions`` marks the owned supervised elements; units with none are skipped.
+        Emits one :class:`PlanUnit` ``(b, anchor, depth, orig_positions, loss_positions)``
+        per non-empty ``(row, segment)`` (see :func:`row_units` for the context each
+        carries); ``loss_positions`` marks the segment's owned supervised elements. The
+        plan's ``total_den`` is the batch's supervised-element count, so the segments'
+        ``loss / total_den`` sum to the flat loss.
         """
-        docs = self._document_ids(loss_mask, attention_mask, document_ids)
+        docs = batch_document_ids(loss_mask, attention_mask, document_ids)
         batch, seq_len = loss_mask.shape
-        # With every layer windowed, an owned element's receptive field over depth-0 rows
-        # reaches back at most num_layers * (W - 1) anchors from its own anchor.
-        draft = self.draft
-        windowed = draft.sliding_window is not None and len(draft.sliding_window_indices) == len(
-            draft.layers
-        )
-        reach = len(draft.layers) * (draft.sliding_window - 1) if windowed else seq_len
+        reach = context_reach(self.draft, seq_len)
         units, total = [], 0
         for b in range(batch):
             doc = docs[b]
-            doc_start = document_starts(doc)
             anchor, depth = self._sample_row(loss_mask[b], doc)
-            ref = anchor + depth
-            supervised = self._supervised(loss_mask[b], doc, ref)
+            supervised = supervised_elements(loss_mask[b], doc, anchor + depth)
             total += int(supervised.sum())
-            seg = assign_cod_segments(anchor, depth, seq_len, self.sequence_partitions)
-            is_ctx = depth == 0
-            for s in range(self.sequence_partitions):
-                owned = seg == s
-                charged = owned & supervised
-                if not bool(charged.any()):
-                    continue
-                first_owned = anchor[owned].min()
-                first = torch.maximum(doc_start[first_owned], first_owned - reach)
-                keep = owned | (is_ctx & (seg <= s) & (anchor >= first))
-                units.append((b, anchor[keep], depth[keep], ref[keep], charged[keep]))
+            units += row_units(b, anchor, depth, supervised, doc, self.sequence_partitions, reach)
         return _PeaglePlan(units, torch.tensor(float(total)), docs)
+
+    def segments(self, batch: dict) -> list:
+        """The forwards of one batch, each to be back-propagated on its own.
+
+        ``[None]`` (one flat forward) with ``sequence_partitions == 1``; otherwise one
+        ``(plan, i)`` per unit of :meth:`build_peagle_plan`, possibly none. The caller
+        passes each as :meth:`forward_batch`'s ``peagle_segment``.
+        """
+        if self.sequence_partitions == 1:
+            return [None]
+        plan = self.build_peagle_plan(batch["loss_mask"], document_ids=batch["document_ids"])
+        return [(plan, i) for i in range(len(plan))]
 
     def _forward_peagle_segment(
         self,
@@ -468,19 +337,19 @@ class PEagleTrainerModule(torch.nn.Module):
         one (through ``DDP.forward``'s output) gives the flat gradient.
         """
         plan, i = peagle_segment
-        b, anchor, depth, ref, charged = plan.units[i]
+        unit: PlanUnit = plan.units[i]
+        b = unit.b
         num, den, correct, valid = self._peagle_position_loss(
             input_ids[b],
             aux_hidden_states[b],
-            _row(target_logits, b),
-            anchor,
-            depth,
-            ref,
-            charged,
-            None,
+            row(target_logits, b),
+            unit.anchor,
+            unit.depth,
+            unit.orig_positions,
+            unit.loss_positions,
+            lengths_from_document_ids(plan.document_ids[b]),
             input_ids.shape[1],
-            document_ids_row=plan.document_ids[b],
-            verifier_row=_row(verifier_last_hidden_states, b),
+            verifier_row=row(verifier_last_hidden_states, b),
         )
         total = plan.total_den.to(num)
         return PEagleStepMetrics(num / total.clamp(min=1), num.detach(), correct, valid, total)
