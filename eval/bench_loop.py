@@ -42,7 +42,9 @@ def _config(args, save_path: str):
 def run_bare(args) -> list[float]:
     import torch
 
-    from speculators_peagle_plugin.training.loop import _to_device, build_training, cod_generator
+    from speculators_peagle_plugin.training.loop import build_training
+    from speculators_peagle_plugin.training.step import cod_generator
+    from speculators_peagle_plugin.training.step import to_device as _to_device
 
     with tempfile.TemporaryDirectory() as save:
         config = _config(args, save)
@@ -77,7 +79,8 @@ def run_bare(args) -> list[float]:
 
 
 def run_loop(args) -> list[float]:
-    from speculators_peagle_plugin.training.loop import METRICS_FILE, train
+    from speculators_peagle_plugin.training.loop import train
+    from speculators_peagle_plugin.training.progress import METRICS_FILE
 
     with tempfile.TemporaryDirectory() as save:
         train(_config(args, save), progress=True)

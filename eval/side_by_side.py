@@ -64,7 +64,8 @@ def _train_config(spec: dict, side: str):
 def train_ours(spec: dict) -> dict:
     """The plugin's own training loop; the draft is linked to ``OUT/peagle-plugin``."""
     from speculators_peagle_plugin.demo.artifacts import link_draft
-    from speculators_peagle_plugin.training.loop import METRICS_FILE, train
+    from speculators_peagle_plugin.training.loop import train
+    from speculators_peagle_plugin.training.progress import METRICS_FILE
 
     config = _train_config(spec, "ours")
     checkpoint = train(config)
@@ -87,12 +88,8 @@ def train_theirs(spec: dict) -> dict:
     from torch import nn
 
     from speculators_peagle_plugin.demo.artifacts import save_atomically
-    from speculators_peagle_plugin.training.loop import (
-        _scheduler,
-        autocast_context,
-        build_training,
-        cod_generator,
-    )
+    from speculators_peagle_plugin.training.loop import _scheduler, build_training
+    from speculators_peagle_plugin.training.step import autocast_context, cod_generator
 
     config = _train_config(spec, "theirs")
     setup = build_training(config)  # data, vocab mapping, mask token, seeded draft, schedule

@@ -165,8 +165,8 @@ def train(config_file: str | None, **flags) -> None:
     """Train a draft with the selected algorithm (--algorithm, default peagle)."""
     import logging
 
-    from .training.loop import TrainingInterrupted
     from .training.loop import train as run_training
+    from .training.progress import TrainingInterrupted
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -18,15 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import PackedBatches
+from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
 from speculators_peagle_plugin.training.config import TrainConfig
-from speculators_peagle_plugin.training.loop import (
-    CHECKPOINT_PREFIX,
-    METRICS_FILE,
-    build_training,
-    checkpoint_dirs,
-    cod_generator,
-    train_step,
-)
+from speculators_peagle_plugin.training.loop import build_training
+from speculators_peagle_plugin.training.progress import METRICS_FILE
+from speculators_peagle_plugin.training.step import cod_generator, train_step
 
 DRAFT_VOCAB = 40
 REPO = Path(__file__).parent.parent

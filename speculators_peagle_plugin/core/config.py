@@ -22,7 +22,7 @@ def check_int_at_least(name: str, value: object, low: int) -> int:
 
 @dataclass(frozen=True)
 class CODConfig:
-    """Conditional-On-Distribution sampling knobs (P-EAGLE paper, §3).
+    """Conditional-On-Distribution (COD) sampling knobs of P-EAGLE.
 
     Args:
         num_depths: parallel prediction depths ``K`` (>= 1); depth 0 is the real context.

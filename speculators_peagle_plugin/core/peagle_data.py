@@ -1,8 +1,8 @@
 """COD sampling and sequence-partition assignment for P-EAGLE.
 
 Shapes (see :mod:`speculators_peagle_plugin.core`): ``L`` tokens of the padded row,
-``N`` COD-sampled elements, ``K`` depths, ``S`` segments. An element is a pair ``(anchor_pos, depth)``; its
-reference (target) position is ``anchor_pos + depth``.
+``N`` COD-sampled elements, ``K`` depths, ``S`` segments. An element is a pair
+``(anchor_pos, depth)``; its reference (target) position is ``anchor_pos + depth``.
 """
 
 from __future__ import annotations

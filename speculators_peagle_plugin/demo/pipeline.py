@@ -150,7 +150,7 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
                  target: Path, yaml_sha256: str, data_inputs: dict,
                  native_bf16: bool) -> str:  # fmt: skip
     """train; returns the final checkpoint's directory."""
-    from ..training.loop import checkpoint_dirs
+    from ..training.checkpoint import checkpoint_dirs
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,

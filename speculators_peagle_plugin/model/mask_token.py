@@ -72,8 +72,7 @@ def mask_token_problem(tokenizer, token_id: int, vocab_size: int) -> str | None:
     """
     if not 0 <= token_id < vocab_size:
         return (
-            f"mask_token_id {token_id} is outside the embedding; "
-            f"it must be in [0, {vocab_size})."
+            f"mask_token_id {token_id} is outside the embedding; it must be in [0, {vocab_size})."
         )
     if token_id >= len(tokenizer):
         return None

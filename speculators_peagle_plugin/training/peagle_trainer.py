@@ -218,9 +218,9 @@ class PEagleTrainerModule(torch.nn.Module):
         Args:
             input_ids: ``[B, L]``; attention_mask: ``[B, L]`` (valid length per row) or None.
             loss_mask: ``[B, L]`` supervised positions.
-            aux_hidden_states: ``[B, L, n_aux * H_t]`` captured target states.
+            aux_hidden_states: ``[B, L, A * H]`` captured target states.
             target_logits: ``[B, L, V]`` (or ``[B, L, V_d]``); or None with
-                ``verifier_last_hidden_states [B, L, H_t]`` (pre-norm), from which
+                ``verifier_last_hidden_states [B, L, H]`` (pre-norm), from which
                 target logits are computed only where charged, draft columns only.
             peagle_segment: ``(plan, i)`` to run segment ``i`` of :meth:`build_peagle_plan`.
             document_ids: ``[B, L]`` packed documents (speculators' field), -1 padding.

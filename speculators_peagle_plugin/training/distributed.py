@@ -1,0 +1,102 @@
+"""Processes and devices: the world of ranks, the DDP / FSDP2 wrapper, gradient-sync control."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import TrainConfig
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's rank, the number of ranks, and its device."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_env(cls, device: str) -> World:
+        """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; each rank takes its local GPU."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
+            torch.cuda.set_device(dev)
+        if size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        return cls(rank, size, dev)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+class StepModule(nn.Module):
+    """What DDP/FSDP wraps: one forward of the trainer module on a row or segment.
+
+    The loss also carries ``0 * p[0]`` for every trainable parameter. That adds exact
+    zeros to the gradients, but keeps every parameter in every graph — a segment with no
+    ``lm_head`` rows, or a rank with no segment at all (``segment=EMPTY``), still runs the
+    same gradient collectives as the other ranks, so nothing hangs.
+    """
+
+    EMPTY = "empty"
+
+    def __init__(self, trainer_module: nn.Module):
+        super().__init__()
+        self.trainer_module = trainer_module
+
+    def forward(self, batch: dict, segment=None) -> dict:
+        touch = sum(p.view(-1)[0] * 0 for p in self.parameters() if p.requires_grad)
+        if segment == self.EMPTY:
+            return {"loss": touch, "metrics": None}
+        metrics = self.trainer_module.forward_batch(batch, peagle_segment=segment)
+        return {"loss": metrics.loss + touch, "metrics": metrics}
+
+
+def wrap(step_module: StepModule, config: TrainConfig, world: World) -> nn.Module:
+    """``step_module`` as the world trains it: itself alone, else under FSDP2 or DDP."""
+    if not world.distributed:
+        return step_module
+    if config.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit: parameters, gradients and optimizer state are sharded, and every
+        # forward all-gathers the whole draft once. Per-layer units would all-gather per
+        # layer, and a rank padding with EMPTY segments (no layer calls) would then fall out
+        # of step with the others' collectives.
+        return fully_shard(step_module)
+    device_ids = [world.device.index] if world.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(step_module, device_ids=device_ids)
+
+
+def sync_context(wrapped: nn.Module, config: TrainConfig, world: World, last: bool):
+    """Gradient all-reduce only on a rank's last backward of the step."""
+    if not world.distributed:
+        return nullcontext()
+    if config.fsdp:
+        wrapped.set_requires_gradient_sync(last)
+        return nullcontext()
+    return nullcontext() if last else wrapped.no_sync()
+
+
+def sharded(config: TrainConfig, world: World) -> bool:
+    """Whether the draft's state lives sharded across ranks (FSDP2 over several ranks)."""
+    return config.fsdp and world.distributed
