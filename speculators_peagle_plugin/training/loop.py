@@ -112,19 +112,10 @@ def _bound_onednn_cache() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
-def build_training(config: TrainConfig) -> TrainingSetup:
-    """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
-
-    Raises ``ValueError`` (one sentence) on bad input before anything is written.
-    """
+def _verifier_config(config: TrainConfig):
+    """The verifier's (text) config, read from its local directory; the hub is not used."""
     from transformers import AutoConfig
 
-    from ..data import PackedBatches, default_target_layer_ids, open_training_data
-
-    world = World.from_env(config.device)
-    if world.device.type == "cpu" and config.autocast != "none":
-        _bound_onednn_cache()
-    algorithm = load_algorithm(config.algorithm)
     verifier = Path(config.verifier_name_or_path)
     if not (verifier / "config.json").exists():
         raise ValueError(
@@ -132,7 +123,38 @@ def build_training(config: TrainConfig) -> TrainingSetup:
             "(no config.json); the hub is not used."
         )
     verifier_config = AutoConfig.from_pretrained(verifier)
-    verifier_config = getattr(verifier_config, "text_config", verifier_config)
+    return getattr(verifier_config, "text_config", verifier_config)
+
+
+def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, ...]:
+    """The flag's, else the data's, else the default; they must match the data's aux count."""
+    from ..data import default_target_layer_ids
+
+    layer_ids = (
+        config.target_layer_ids
+        or data.target_layer_ids
+        or default_target_layer_ids(verifier_config.num_hidden_layers)
+    )
+    if len(layer_ids) != data.num_aux_layers:
+        raise ValueError(
+            f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
+            f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
+        )
+    return layer_ids
+
+
+def build_training(config: TrainConfig) -> TrainingSetup:
+    """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
+
+    Raises ``ValueError`` (one sentence) on bad input before anything is written.
+    """
+    from ..data import PackedBatches, open_training_data
+
+    world = World.from_env(config.device)
+    if world.device.type == "cpu" and config.autocast != "none":
+        _bound_onednn_cache()
+    algorithm = load_algorithm(config.algorithm)
+    verifier_config = _verifier_config(config)
     data = open_training_data(
         config.data_path,
         draft_vocab_size=config.draft_vocab_size,
@@ -148,16 +170,7 @@ def build_training(config: TrainConfig) -> TrainingSetup:
         )
     d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
     mask_token_id, reason = _resolve_mask_token(config, vocab)
-    layer_ids = (
-        config.target_layer_ids
-        or data.target_layer_ids
-        or default_target_layer_ids(verifier_config.num_hidden_layers)
-    )
-    if len(layer_ids) != data.num_aux_layers:
-        raise ValueError(
-            f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
-            f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
-        )
+    layer_ids = _target_layer_ids(config, data, verifier_config)
 
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)
