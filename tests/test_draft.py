@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from helpers.oracles import masked_attention
 from safetensors.torch import load_file
 from speculators.model import SpeculatorModel
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
@@ -135,14 +136,6 @@ def random_cod_elements(seed, length=71, num_depths=5, drop_context=False):
     return anchor, depth, doc
 
 
-def dense_attention(q, k, v, allowed, scale):
-    """float64 oracle: softmax over the dense ``[N, N]`` mask, rows that see nothing -> 0."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, -1).nan_to_num() @ v
-
-
 @pytest.mark.parametrize("seed,heads", [(0, (4, 2)), (1, (3, 3)), (2, (6, 2)), (3, (4, 1))])
 @pytest.mark.parametrize("window", [None, 2, 5, 16])
 @pytest.mark.parametrize("band_kernel", ["cpu_flash", "matmul"])  # matmul: other devices
@@ -169,7 +162,7 @@ def test_block_sparse_attention_matches_dense_float64(
     grad_out = torch.randn(1, n_q, n, 16, generator=gen, dtype=torch.float64)
     got = attention.peagle_attention(q, k, v, mask, 0.3)
     got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
-    want = dense_attention(q, k, v, allowed, 0.3)
+    want = masked_attention(q, k, v, allowed, 0.3)
     want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
     for name, a, b in zip("qkv", got_grads, want_grads, strict=True):
@@ -322,7 +315,7 @@ def test_under_autocast_cpu_attention_runs_forward_bfloat16_backward_float32(see
         bf16_forward = attention._chunked_attention(*(t.bfloat16() for t in (q, k, v)), mask, 0.125)
     assert out.dtype == torch.float32 and torch.equal(out, bf16_forward.float())
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want = dense_attention(q64, k64, v64, allowed, 0.125)
+    want = masked_attention(q64, k64, v64, allowed, 0.125)
     want_grads = torch.autograd.grad(want, (q64, k64, v64), grad_out.double())
     names, wants = ["out", "dq", "dk", "dv"], (want.detach(), *want_grads)
     for name, got, ref in zip(names, (out, *grads), wants, strict=True):

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from helpers.oracles import brute_force_mask, masked_attention
+from helpers.rows import ragged_lengths
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from speculators_peagle_plugin import (
@@ -23,30 +25,9 @@ EXAMPLE_ROWS = {
 }  # fmt: skip
 
 
-def brute_force_mask(anchor, depth, lengths, total_seq_len, window=None):
-    doc = []
-    for i, n in enumerate(lengths):
-        doc += [i] * n
-    doc += [-1] * (total_seq_len - len(doc))
-    anchor, depth = anchor.tolist(), depth.tolist()
-    n = len(anchor)
-    out = torch.zeros(n, n, dtype=torch.bool)
-    for q in range(n):
-        for k in range(n):
-            if doc[anchor[q]] == -1 or doc[anchor[q]] != doc[anchor[k]]:
-                continue
-            in_window = window is None or anchor[k] > anchor[q] + depth[q] - window
-            context = depth[k] == 0 and anchor[k] <= anchor[q] and in_window
-            rollout = anchor[k] == anchor[q] and depth[k] <= depth[q]
-            out[q, k] = context or rollout
-    return out
-
-
 def packed_sample(seed, total_seq_len, n_docs, pad, num_depths=5):
     gen = torch.Generator().manual_seed(seed)
-    used = total_seq_len - pad
-    cuts = sorted(torch.randperm(used - 1, generator=gen)[: n_docs - 1].add(1).tolist())
-    lengths = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, used], strict=True)])
+    lengths = torch.tensor(ragged_lengths(gen, total_seq_len - pad, n_docs))
     doc = document_ids_from_lengths(lengths, total_seq_len)
     loss_mask = (torch.rand(total_seq_len, generator=gen) < 0.8).long()
     anchor, depth = generate_cod_sample_indices(
@@ -96,8 +77,7 @@ def test_block_mask_drives_flex_attention_like_the_dense_mask(seed):
     out = flex_attention(q, k, v, block_mask=block_mask)
     # Padding queries see nothing: compare only rows with at least one visible key.
     rows = dense.any(-1)
-    scores = (q @ k.transpose(-1, -2)) / 4.0
-    ref = torch.softmax(scores.masked_fill(~dense, float("-inf")), -1).nan_to_num() @ v
+    ref = masked_attention(q, k, v, dense, 1 / 4.0)
     torch.testing.assert_close(out[..., rows, :], ref[..., rows, :])
 
 
@@ -120,3 +100,27 @@ def test_lengths_document_ids_round_trip():
 def test_bad_input(args, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         create_peagle_mask_mod(*args, **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_mask_equals_speculators_on_single_document_rows(seed, window):
+    """speculators' own mask_mod, evaluated pair by pair, is ours on one-document rows."""
+    from speculators.models.peagle.attention import (
+        create_peagle_mask_mod as speculators_mask_mod,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    total = 37 + 11 * seed
+    used = total - seed  # trailing padding on all but the first row
+    loss_mask = (torch.rand(total, generator=gen) < 0.8).long()
+    loss_mask[0] = 0
+    doc = document_ids_from_lengths(torch.tensor([used]), total)
+    anchor, depth = generate_cod_sample_indices(
+        total, loss_mask, 4, 0.8, 0.2, document_ids=doc, generator=gen
+    )
+    ours = create_peagle_mask_mod(anchor, depth, torch.tensor([used]), total, sliding_window=window)
+    theirs = speculators_mask_mod(anchor, depth, doc, sliding_window=window)
+    q, k = torch.meshgrid(torch.arange(len(anchor)), torch.arange(len(anchor)), indexing="ij")
+    zero = torch.tensor(0)
+    assert torch.equal(ours(zero, zero, q, k), theirs(zero, zero, q, k))

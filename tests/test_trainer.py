@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from helpers.oracles import dense_draft_hidden, kl_target_draft, rms_norm
+from helpers.rows import packed_document_ids
 from speculators.losses.eager import kl_div_loss
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
 from tiny import DRAFT_VOCAB, MASK_TOKEN, TARGET_VOCAB, tiny_config, tiny_draft
@@ -32,12 +34,7 @@ def float64_norms(monkeypatch):
 def packed_batch(seed, batch=2, seq_len=61, n_docs=3, pad=7, dtype=torch.float64):
     """Ragged packed rows with padding (document ids -1), random supervision."""
     gen = torch.Generator().manual_seed(seed)
-    docs = torch.full((batch, seq_len), -1, dtype=torch.long)
-    for b in range(batch):
-        used = seq_len - pad - b * 3
-        cuts = sorted(torch.randperm(used - 2, generator=gen)[: n_docs - 1].add(1).tolist())
-        for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, used], strict=True)):
-            docs[b, s:e] = i
+    docs = packed_document_ids(gen, batch, seq_len, n_docs, pad, shrink=3)
     loss_mask = (torch.rand(batch, seq_len, generator=gen) < 0.8).long()
     return dict(
         input_ids=torch.randint(0, TARGET_VOCAB - 1, (batch, seq_len), generator=gen),
@@ -123,37 +120,13 @@ def dense_reference_loss(module, batch):
             batch["hidden_states"][b][ref],
             draft.mask_hidden[0].expand(ref.shape[0], -1),
         )
-        h = draft.fc(hid)[None]
-        emb = draft.embed_tokens(ids)[None]
-        cos, sin = draft.rotary_emb(emb, ref[None])
-        for i, layer in enumerate(draft.layers):
-            attn = layer.self_attn
-            if i == 0:
-                resid = h
-                x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], -1)
-            else:
-                resid, x = h, layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, -1, 4, 16).transpose(1, 2)
-            k = attn.k_proj(x).view(1, -1, 2, 16).transpose(1, 2)
-            v = attn.v_proj(x).view(1, -1, 2, 16).transpose(1, 2)
-            rot = lambda t: torch.cat([-t[..., 8:], t[..., :8]], -1)  # noqa: E731
-            q, k = (
-                q * cos[:, None] + rot(q) * sin[:, None],
-                k * cos[:, None] + rot(k) * sin[:, None],
-            )
-            k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-            scores = (q @ k.transpose(-1, -2)) / 4.0
-            w = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num()
-            out = attn.o_proj((w @ v).transpose(1, 2).reshape(1, -1, 64))
-            h = resid + out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = dense_draft_hidden(draft, ids, draft.fc(hid), ref, allowed)
         sup = (batch["loss_mask"][b][ref] != 0) & (doc[ref] >= 0)
-        logits = draft.lm_head(draft.norm(h[0][sup]))
+        logits = draft.lm_head(rms_norm(draft.norm, h[sup]))
         target = draft.verifier_lm_head(
-            draft.verifier_norm(batch["verifier_last_hidden_states"][b][ref[sup]])
+            rms_norm(draft.verifier_norm, batch["verifier_last_hidden_states"][b][ref[sup]])
         )
-        p = torch.softmax(target, -1)
-        parts.append((p * (torch.log_softmax(target, -1) - torch.log_softmax(logits, -1))).sum())
+        parts.append(kl_target_draft(target, logits).sum())
         total += int(sup.sum())
     return torch.stack(parts).sum() / total
 

@@ -39,8 +39,12 @@ def masked_attention(q, k, v, allowed, scale) -> torch.Tensor:
     """Softmax attention over a dense bool mask; a query that sees no key outputs 0.
 
     Args:
-        q: ``[..., Nq, hd]``; k, v: ``[..., Nk, hd]``; allowed: ``[Nq, Nk]`` (broadcast).
+        q: ``[..., nh, Nq, hd]``; k, v: ``[..., nkv, Nk, hd]`` (each key/value head serves
+            ``nh / nkv`` query heads); allowed: ``[Nq, Nk]`` (broadcast).
     """
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, -1).nan_to_num() @ v
 
@@ -57,14 +61,11 @@ def rms_norm(norm, x) -> torch.Tensor:
     return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
-def rope(x, positions, theta) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) of ``x [N, heads, hd]`` at integer ``positions [N]``."""
+def rope(x, cos, sin) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x [N, heads, hd]`` with ``cos, sin [N, hd]``."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    freqs = positions[:, None].double() * inv[None]
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
-    return x * cos[:, None].to(x) + rot * sin[:, None].to(x)
+    return x * cos[:, None] + rot * sin[:, None]
 
 
 def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tensor:
@@ -77,8 +78,9 @@ def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tenso
     """
     cfg = draft.config.transformer_layer_config
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    theta = cfg.rope_parameters["rope_theta"]
     emb, h = draft.embed_tokens(ids), projected
+    # transformers' rotary table (it computes the angles in float32 whatever the dtype)
+    cos, sin = (t[0] for t in draft.rotary_emb(emb[None], positions[None]))
     for i, layer in enumerate(draft.layers):
         attn = layer.self_attn
         if i == 0:
@@ -92,7 +94,7 @@ def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tenso
         k = attn.k_proj(x).view(-1, nkv, hd)
         if hasattr(attn, "q_norm"):  # qwen3 normalises each head before RoPE
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        q, k = rope(q, positions, theta), rope(k, positions, theta)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         k = k.repeat_interleave(nh // nkv, 1)
         v = attn.v_proj(x).view(-1, nkv, hd).repeat_interleave(nh // nkv, 1)
         out = masked_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed,
