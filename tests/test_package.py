@@ -1,15 +1,110 @@
 """Package surface: top-level seed API, the entry point, the console script."""
 
+import importlib
+import inspect
+import re
 from importlib.metadata import entry_points
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
+import speculators_peagle_plugin
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.plugin import PEAGLE
 
+# The seed API (NeMo AutoModel's peagle_* modules): where each name lives here, and the
+# arguments the seed gives it, in order (ours may add keyword arguments after them).
+SEED_API = {
+    "speculators_peagle_plugin.core.peagle_data": {
+        "generate_cod_sample_indices": ["seq_length", "loss_mask", "num_depths",
+                                        "down_sample_ratio", "down_sample_ratio_min"],
+        "assign_cod_segments": ["anchor_pos", "depth", "seq_length", "num_segments"],
+    },
+    "speculators_peagle_plugin.core.peagle_attention": {
+        "create_peagle_mask_mod": ["anchor_pos", "depth", "lengths", "total_seq_len"],
+    },
+    "speculators_peagle_plugin.kernels.flex": {
+        "_peagle_compile_supported": ["q", "k", "v"],
+        "_peagle_flex_attention": ["q", "k", "v", "block_mask", "scale"],
+        "_peagle_flex_attention_compiled": None,
+        "_peagle_flex_attention_compile_failed": None,
+        "logger": None,
+    },
+    "speculators_peagle_plugin.model.peagle_draft": {
+        "_PeagleAttentionMixin.forward_peagle": ["combined_states", "position_ids", "block_mask"],
+        "_PeagleDecoderLayerMixin.forward_peagle": ["input_embeds", "hidden_states",
+                                                    "position_ids", "block_mask"],
+        "_PeagleVanillaLayerMixin.forward_peagle": ["hidden_states", "position_ids",
+                                                    "block_mask"],
+        "_PeagleDraftMixin._init_peagle_parameters": ["config"],
+        "_PeagleDraftMixin._run_draft_layer": ["layer_fn", "args", "kwargs"],
+        "_PeagleDraftMixin.build_peagle_block_mask": ["anchor_pos", "depth", "lengths",
+                                                      "total_seq_len"],
+        "_PeagleDraftMixin.forward_peagle": ["sampled_input_ids", "sampled_projected_hidden",
+                                             "position_ids", "block_mask"],
+        "_PeagleDraftMixin.masked_projected_hidden": [],
+    },
+    "speculators_peagle_plugin.training.peagle_trainer": {
+        "PEagleTrainerModule": ["draft_model", "selected_token_ids", "selected_token_mask",
+                                "num_depths", "mask_token_id", "down_sample_ratio",
+                                "down_sample_ratio_min", "sequence_partitions"],
+        "PEagleTrainerModule.forward": ["input_ids", "attention_mask", "loss_mask",
+                                        "aux_hidden_states", "target_logits", "peagle_segment"],
+        "PEagleTrainerModule.build_peagle_plan": ["loss_mask"],
+        "PEagleTrainerModule._forward_peagle_segment": ["input_ids", "attention_mask",
+                                                        "aux_hidden_states", "target_logits",
+                                                        "peagle_segment"],
+        "PEagleTrainerModule._peagle_position_loss": ["input_ids_row", "aux_row",
+                                                      "target_logits_row", "anchor_pos", "depth",
+                                                      "orig_positions", "loss_positions",
+                                                      "row_length", "seq_len"],
+        "_PeaglePlan": ["units", "total_den"],
+        "_kl_div_loss": ["logits", "target_logits"],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(SEED_API))
+def test_seed_names_keep_their_modules_and_arguments(module):
+    mod = importlib.import_module(module)
+    for name, args in SEED_API[module].items():
+        obj = mod
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if args is not None:
+            params = [p for p in inspect.signature(obj).parameters if p != "self"]
+            assert params[: len(args)] == args, name
+
 
 def test_seed_functions_import_from_the_top_level():
-    pass
+    import speculators_peagle_plugin as top
+
+    for name in ("generate_cod_sample_indices", "assign_cod_segments", "create_peagle_mask_mod"):
+        assert getattr(top, name) is getattr(
+            importlib.import_module(
+                "speculators_peagle_plugin.core."
+                + ("peagle_attention" if name == "create_peagle_mask_mod" else "peagle_data")
+            ),
+            name,
+        )
+
+
+def test_layers_import_only_downward():
+    """A module of a layer imports only from the layers below it (README: Architecture)."""
+    level = {"common": 0, "core": 1, "kernels": 2, "model": 3, "serving": 4, "data": 5,
+             "training": 6, "evaluation": 6, "demo": 7}  # fmt: skip
+    package = Path(speculators_peagle_plugin.__file__).parent
+    wrong = []
+    for path in package.rglob("*.py"):
+        layer = path.relative_to(package).parts[0]
+        if layer not in level:
+            continue  # cli.py, plugin.py, __init__.py sit on top
+        text = path.read_text()
+        for used in re.findall(r"from (?:\.\.|speculators_peagle_plugin\.)(\w+)", text):
+            if used in ("cli", "plugin") or (used != layer and level.get(used, -1) >= level[layer]):
+                wrong.append(f"{path.relative_to(package)} imports {used}")
+    assert not wrong, wrong
 
 
 def test_entry_point_resolves_to_the_algorithm_object():
