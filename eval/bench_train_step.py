@@ -134,13 +134,8 @@ def _parse_args() -> argparse.Namespace:
 def _run_cases(args) -> tuple[list, list, dict | None, dict]:
     """Every case the arguments ask for, each once: ``(main_rows, curve_rows, long_row,
     every result by (side, S, P))``."""
-    common = dict(
-        steps=args.steps,
-        warmup=args.warmup,
-        threads=args.threads,
-        step_limit_s=args.step_limit_s,
-        mem_cap_gb=args.mem_cap_gb,
-    )
+    shared = ("steps", "warmup", "threads", "step_limit_s", "mem_cap_gb")
+    common = {name: getattr(args, name) for name in shared}
     cache: dict[tuple, dict] = {}
 
     def case(side: str, S: int, P: int) -> dict:

@@ -15,23 +15,11 @@ import time
 from eval.measure import peak_rss_gib
 
 VERIFIER_CFG = dict(  # SmolLM2-135M shape
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    hidden_act="silu",
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    initializer_range=0.02,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
+    max_position_embeddings=8192, rms_norm_eps=1e-5, initializer_range=0.02,
+    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)  # fmt: skip
 DRAFT_VOCAB = 8192
 NUM_LAYERS = 1
 SLIDING_WINDOW = 2048  # speculators CLI default (all draft layers sliding)
@@ -42,66 +30,49 @@ LR, WEIGHT_DECAY = 1e-3, 0.01
 DRAFT_ATTN_IMPL = "sdpa"
 
 
-def build_config(tmpdir: str):
-    """The draft config ``speculators train --speculator-type peagle`` builds by default."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.peagle import PEagleSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+def build_model(model_cls, verifier_dir: str):
+    """The draft ``speculators train --speculator-type peagle`` builds by default, as ``model_cls``.
+
+    speculators' own ``from_training_args`` builds the config and the model from a
+    config-only verifier saved in ``verifier_dir``; random but valid vocabulary mappings
+    and random verifier weights stand in for ``build_vocab_mappings_*`` and
+    ``load_verifier_weights``. Returns ``(model, t2d)``, identical for both sides: the
+    same generator seed gives the same mappings and weights.
+    """
+    from unittest import mock
+
+    import torch
+    from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
     from speculators.train.cli import create_transformer_layer_config
     from transformers import LlamaConfig
 
     vcfg = LlamaConfig(**VERIFIER_CFG)
     vcfg.architectures = ["LlamaForCausalLM"]
-    vcfg.save_pretrained(tmpdir)  # config.json only
-
-    tl_config = create_transformer_layer_config(
-        verifier_name_or_path=tmpdir,
+    vcfg.save_pretrained(verifier_dir)  # config.json only
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier_dir,
         num_layers=NUM_LAYERS,
         draft_arch="llama",
         hidden_act=None,
         sliding_window=SLIDING_WINDOW,
         full_attention_indices=[],
     )
-    tl_config._attn_implementation = DRAFT_ATTN_IMPL  # what from_training_args does
-    return PEagleSpeculatorConfig(
-        transformer_layer_config=tl_config,
-        draft_vocab_size=DRAFT_VOCAB,
-        norm_before_residual=False,
-        norm_before_fc=False,
-        fc_norm=False,
-        norm_output=False,
-        eagle_aux_hidden_state_layer_ids=TARGET_LAYER_IDS,
-        mask_token_id=MASK_TOKEN_ID,
-        speculators_config=SpeculatorsConfig(
-            algorithm="peagle",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig.from_pretrained(tmpdir),
-        ),
-    )
 
-
-def build_model(model_cls, config):
-    """Build a draft, load random valid vocab mappings and random verifier weights.
-
-    Returns ``(model, t2d)``. Identical for both sides: the same generator seed gives
-    the same mappings and weights.
-    """
-    import torch
-
-    model = model_cls(config)
-
-    # random-but-valid vocab mappings (same format as build_vocab_mappings_*)
     g = torch.Generator().manual_seed(1234)
-    V = VERIFIER_CFG["vocab_size"]
+    V, H = VERIFIER_CFG["vocab_size"], VERIFIER_CFG["hidden_size"]
     selected = torch.randperm(V, generator=g)[:DRAFT_VOCAB].sort().values
-    d2t = selected - torch.arange(DRAFT_VOCAB)
+    d2t = selected - torch.arange(DRAFT_VOCAB)  # offsets, speculators' format
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[selected] = True
-    model.load_vocab_mappings(t2d, d2t)
+    # The verifier has no weights to load; the random ones below stand in for them.
+    with mock.patch.object(model_cls, "load_verifier_weights", lambda self: None):
+        model = SpeculatorsPEagle.from_training_args.__func__(
+            model_cls, verifier_config=layer_config, t2d=t2d, d2t=d2t,
+            verifier_name_or_path=verifier_dir, target_layer_ids=TARGET_LAYER_IDS,
+            draft_vocab_size=DRAFT_VOCAB, mask_token_id=MASK_TOKEN_ID, num_depths=K,
+            draft_attn_impl=DRAFT_ATTN_IMPL,
+        )  # fmt: skip
 
-    # stand-in for load_verifier_weights(): random verifier embed/lm_head/norm
-    H = VERIFIER_CFG["hidden_size"]
     std = VERIFIER_CFG["initializer_range"]
     with torch.no_grad():
         verifier_embed = torch.randn(V, H, generator=g) * std
@@ -110,7 +81,7 @@ def build_model(model_cls, config):
         model.lm_head.weight.copy_(lm_rows)
         model.verifier_lm_head.weight.copy_(lm_rows)
         model.verifier_norm.weight.fill_(1.0)
-    model.embed_tokens.weight.requires_grad_(config.embed_requires_grad)  # True
+    model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)  # True
     model.lm_head.weight.requires_grad_(False)
     model.verifier_lm_head.weight.requires_grad_(False)
     model.verifier_norm.weight.requires_grad_(False)
@@ -152,11 +123,11 @@ def _install_cod_counter(module) -> list[int]:
     return counts
 
 
-def _speculators_step_fn(config, batch):
+def _speculators_step_fn(verifier_dir, batch):
     import speculators.models.peagle.core as core
     from speculators.losses import resolve_loss_config
 
-    model, _ = build_model(core.PEagleDraftModel, config)
+    model, _ = build_model(core.PEagleDraftModel, verifier_dir)
     model.train()
     counts = _install_cod_counter(core)
     call_kw = dict(
@@ -175,13 +146,13 @@ def _speculators_step_fn(config, batch):
     return model, fwd_bwd, counts
 
 
-def _ours_step_fn(config, batch, partitions: int):
+def _ours_step_fn(verifier_dir, batch, partitions: int):
     import torch
 
     import speculators_peagle_plugin.training.peagle_trainer as trainer_mod
     from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
 
-    draft, t2d = build_model(PEagleDraftModel, config)
+    draft, t2d = build_model(PEagleDraftModel, verifier_dir)
     module = trainer_mod.PEagleTrainerModule(
         draft,
         torch.nonzero(t2d).squeeze(1),  # sorted target ids of the draft vocabulary
@@ -228,12 +199,11 @@ def worker(case: dict) -> dict:
     tmpdir = tempfile.mkdtemp(prefix="peagle_verifier_cfg_")
     try:
         t0 = time.perf_counter()
-        config = build_config(tmpdir)
         batch = make_batch(case["S"])
         if case["side"] == "speculators":
-            model, fwd_bwd, counts = _speculators_step_fn(config, batch)
+            model, fwd_bwd, counts = _speculators_step_fn(tmpdir, batch)
         else:
-            model, fwd_bwd, counts = _ours_step_fn(config, batch, case["P"])
+            model, fwd_bwd, counts = _ours_step_fn(tmpdir, batch, case["P"])
         out["build_s"] = time.perf_counter() - t0
         params = [p for p in model.parameters() if p.requires_grad]
         out["n_trainable"] = sum(p.numel() for p in params)

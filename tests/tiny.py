@@ -1,9 +1,7 @@
 """Tiny random P-EAGLE drafts built from configs (no download)."""
 
 import torch
-from speculators.config import SpeculatorsConfig, VerifierConfig
-from speculators.models.peagle.config import PEagleSpeculatorConfig
-from speculators.proposals.greedy import GreedyTokenProposalConfig
+from helpers.drafts import peagle_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
@@ -28,31 +26,15 @@ def tiny_config(
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
     extra = {"use_sliding_window": bool(sliding_window)} if model_type == "qwen3" else {}
     layer_cfg = cls(
-        **extra,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=num_layers,
-        vocab_size=TARGET_VOCAB,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        sliding_window=sliding_window,
+        **extra, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=num_layers, vocab_size=TARGET_VOCAB,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=sliding_window,
         layer_types=["sliding_attention" if sliding_window else "full_attention"] * num_layers,
-    )
-    return PEagleSpeculatorConfig(
-        transformer_layer_config=layer_cfg,
-        draft_vocab_size=DRAFT_VOCAB,
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-        mask_token_id=MASK_TOKEN,
-        speculators_config=SpeculatorsConfig(
-            algorithm="peagle",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_depths)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier_path, architectures=["LlamaForCausalLM"]),
-        ),
-    )
+    )  # fmt: skip
+    return peagle_config(
+        layer_cfg, num_depths=num_depths, draft_vocab=DRAFT_VOCAB, layer_ids=[1, 2, 3],
+        mask_token=MASK_TOKEN, verifier_path=verifier_path,
+    )  # fmt: skip
 
 
 def vocab_map(seed=0):

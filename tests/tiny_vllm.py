@@ -11,9 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from speculators.config import SpeculatorsConfig, VerifierConfig
-from speculators.models.peagle.config import PEagleSpeculatorConfig
-from speculators.proposals.greedy import GreedyTokenProposalConfig
+from helpers.drafts import peagle_config as draft_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GenerationConfig,
@@ -95,22 +93,11 @@ def tiny_vllm_target(path, seed=0, scale=4.0) -> str:
 def peagle_config(
     num_depths: int, target_dir, num_layers=1, draft_vocab=VOCAB, layer_ids=LAYER_IDS, **kw
 ):
-    return PEagleSpeculatorConfig(
-        transformer_layer_config=layer_config(num_layers),
-        draft_vocab_size=draft_vocab,
-        eagle_aux_hidden_state_layer_ids=list(layer_ids),
-        mask_token_id=MASK_TOKEN,
-        target_hidden_size=HIDDEN,
-        speculators_config=SpeculatorsConfig(
-            algorithm="peagle",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=num_depths)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(
-                name_or_path=str(target_dir), architectures=["LlamaForCausalLM"]
-            ),
-        ),
-        **kw,
-    )
+    return draft_config(
+        layer_config(num_layers), num_depths=num_depths, draft_vocab=draft_vocab,
+        layer_ids=layer_ids, mask_token=MASK_TOKEN, verifier_path=target_dir,
+        target_hidden_size=HIDDEN, **kw,
+    )  # fmt: skip
 
 
 def tiny_vllm_draft(target_dir, num_depths=3, seed=0, num_layers=1, **kw) -> PEagleDraftModel:
