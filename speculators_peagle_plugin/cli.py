@@ -10,6 +10,8 @@ from typing import get_args, get_type_hints
 
 import click
 
+from .data.config import DataGenConfig
+from .evaluation.config import EvalConfig
 from .training.algorithm import discover_algorithms
 from .training.config import TrainConfig
 
@@ -28,71 +30,77 @@ def algorithms() -> None:
         click.echo(f"{name}\t{getattr(algo, 'summary', '')}\t({ep.value})")
 
 
-def _gen_help(text: str, name: str) -> str:
-    """Help text showing DataGenConfig's default, so the default lives in one place."""
-    from .data.config import DataGenConfig
+def _ints(text: str, param: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a comma-separated list of integers.", param_hint=param
+        ) from None
 
-    default = next(f.default for f in dataclasses.fields(DataGenConfig) if f.name == name)
-    return f"{text} [default: {default}]"
+
+def _flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
-def _gen_choices(name: str) -> click.Choice:
-    """The values DataGenConfig accepts for ``name`` (its check reads the same list)."""
-    from .common.dtypes import DTYPE_NAMES
-    from .data.config import BACKENDS
+def config_flags(cls):
+    """One option per field of the dataclass ``cls`` that has help (``common.flags``);
+    the defaults stay in the dataclass."""
 
-    return click.Choice({"backend": BACKENDS, "dtype": DTYPE_NAMES}[name])
+    def decorate(command):
+        hints = get_type_hints(cls)
+        for f in reversed(dataclasses.fields(cls)):
+            meta = f.metadata
+            if "help" not in meta:
+                continue
+            show = meta.get("show", f.default)
+            kwargs = {"help": meta["help"] + ("" if show is None else f" [default: {show}]")}
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                kwargs["required"] = True
+            if hints[f.name] is bool:
+                kwargs["is_flag"] = True
+            elif "choices" in meta:
+                kwargs["type"] = click.Choice(meta["choices"])
+            elif meta.get("multiple"):
+                kwargs["multiple"] = True
+            elif meta.get("ints"):
+                kwargs["metavar"] = "INTS"
+            else:
+                kwargs["type"] = next(a for a in get_args(hints[f.name]) or [hints[f.name]]
+                                      if a is not type(None))  # fmt: skip
+            decls = [d for d in (meta.get("short"), _flag_name(f)) if d]
+            command = click.option(*decls, f.name, **kwargs)(command)
+        return command
+
+    return decorate
+
+
+def config_from_flags(cls, flags: dict):
+    """``cls`` built from the given flags; an option not given keeps its default."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = flags.get(f.name)
+        if value is None or value is False or value == ():
+            continue
+        if f.metadata.get("negate"):
+            value = False
+        elif f.metadata.get("ints"):
+            value = _ints(value, _flag_name(f))
+        values[f.name] = value
+    return cls(**values)
 
 
 @main.command("generate-data")
-@click.option("--target", required=True, help="Local transformers target model directory.")
-@click.option("--prompts", required=True, help="Prompt set, as eval --prompts takes it: "
-              "humaneval, chat, a .jsonl file (messages/conversations/prompt rows) or a dataset "
-              "saved with save_to_disk, optionally sliced like chat[100:].")  # fmt: skip
-@click.option("--output", required=True, help="Output directory (resumed if it exists).")
-@click.option("--max-new-tokens", type=int, help=_gen_help("Tokens per reply.", "max_new_tokens"))
-@click.option("--temperature", type=float, help=_gen_help("0 = greedy.", "temperature"))
-@click.option("--top-p", type=float, help=_gen_help("Nucleus mass when sampling.", "top_p"))
-@click.option("--batch-size", type=int, help=_gen_help("Prompts generated together.", "batch_size"))
-@click.option("--num-samples", type=int,
-              help=_gen_help("Replies per prompt (> 1 needs --temperature > 0).",
-                             "num_samples"))  # fmt: skip
-@click.option("--backend", type=_gen_choices("backend"),
-              help=_gen_help("What generates the replies (vllm: continuous batching; hidden "
-                             "states always come from transformers).", "backend"))  # fmt: skip
-@click.option("--kv-cache-gb", type=int,
-              help=_gen_help("vLLM's CPU KV cache in GiB (vllm backend).",
-                             "kv_cache_gb"))  # fmt: skip
-@click.option("--target-layer-ids", metavar="IDS",
-              help="Aux layer ids, e.g. 2,15,27 [default: 2,N//2,N-3].")  # fmt: skip
-@click.option("--draft-vocab-size", type=int,
-              help=_gen_help("Size of the d2t/t2d written.", "draft_vocab_size"))  # fmt: skip
-@click.option("--max-samples", type=int, help="Use only the first N prompts.")
-@click.option("--seed", type=int, help=_gen_help("Sampling seed.", "seed"))
-@click.option("--dtype", type=_gen_choices("dtype"),
-              help=_gen_help("Target dtype, also the hidden states' dtype.", "dtype"))  # fmt: skip
-@click.option("--device", help=_gen_help("Torch device of the target.", "device"))
-def generate_data(target_layer_ids: str | None, **options) -> None:
+@config_flags(DataGenConfig)
+def generate_data(**flags) -> None:
     """Regenerate replies with the target and write speculators-format training data."""
     import logging
 
     from .data.build import generate_data as run_generation
-    from .data.config import DataGenConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    values = {k: v for k, v in options.items() if v is not None}
-    if target_layer_ids is not None:
-        try:
-            values["target_layer_ids"] = tuple(
-                int(t) for t in target_layer_ids.replace(",", " ").split()
-            )
-        except ValueError:
-            raise click.BadParameter(
-                f"{target_layer_ids!r} is not a comma-separated list of integers.",
-                param_hint="--target-layer-ids",
-            ) from None
     try:
-        data = run_generation(DataGenConfig(**values))
+        data = run_generation(config_from_flags(DataGenConfig, flags))
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
@@ -181,13 +189,6 @@ def train(config_file: str | None, **flags) -> None:
         click.echo(f"final checkpoint: {final}")
 
 
-def _ints(text: str, param: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.replace(",", " ").split())
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a list of integers.", param_hint=param) from None
-
-
 def _serving_devices() -> click.Choice:
     """The devices check and export accept (the checker's own list)."""
     from .serving.check import DEVICES
@@ -250,59 +251,14 @@ def export(checkpoint: str, output: str, target: str | None, mask_token_id: int 
     click.echo(f"wrote {output}")
 
 
-def eval_config_options(command):
-    """One option per :class:`EvalConfig` field that has help; defaults stay in the dataclass."""
-    from .evaluation.config import EvalConfig
-
-    hints = get_type_hints(EvalConfig)
-    for f in reversed(dataclasses.fields(EvalConfig)):
-        meta = f.metadata
-        if "help" not in meta:
-            continue
-        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-        show = meta.get("show", f.default)
-        kwargs = {"help": meta["help"] + ("" if show is None else f" [default: {show}]")}
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            kwargs["required"] = True
-        if hints[f.name] is bool:
-            kwargs["is_flag"] = True
-        elif "choices" in meta:
-            kwargs["type"] = click.Choice(meta["choices"])
-        elif meta.get("multiple"):
-            kwargs["multiple"] = True
-        elif not meta.get("ints"):
-            kwargs["type"] = next(a for a in get_args(hints[f.name]) or [hints[f.name]]
-                                  if a is not type(None))  # fmt: skip
-        decls = [d for d in (meta.get("short"), flag) if d]
-        command = click.option(*decls, f.name, **kwargs)(command)
-    return command
-
-
-def build_eval_config(flags: dict):
-    """The :class:`EvalConfig` of the given flags; an option not given keeps its default."""
-    from .evaluation.config import EvalConfig
-
-    values = {}
-    for f in dataclasses.fields(EvalConfig):
-        value = flags.get(f.name)
-        if value is None or value is False or value == ():
-            continue
-        if f.metadata.get("negate"):
-            value = False
-        elif f.metadata.get("ints"):
-            value = _ints(value, f.metadata["flag"])
-        values[f.name] = value
-    return EvalConfig(**values)
-
-
 @main.command("eval")
-@eval_config_options
+@config_flags(EvalConfig)
 def eval_command(**flags) -> None:
     """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
     from .evaluation.harness import evaluate
 
     try:
-        config = build_eval_config(flags)
+        config = config_from_flags(EvalConfig, flags)
         evaluate(config, argv=sys.argv, echo=click.echo)
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.dtypes import DTYPES
+from ..common.dtypes import DTYPE_NAMES, DTYPES
+from ..common.flags import flag_field as _opt
 from ..core.config import check_int_at_least
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 from .prompts import prompt_source_exists
@@ -87,22 +88,36 @@ class DataGenConfig:
         device: torch device of the target.
     """
 
-    target: str
-    prompts: str
-    output: str
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 8
-    num_samples: int = 1
-    backend: str = "transformers"
-    kv_cache_gb: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE
-    max_samples: int | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
+    target: str = _opt(help="Local transformers target model directory.", show=None)
+    prompts: str = _opt(
+        help="Prompt set, as eval --prompts takes it: humaneval, chat, a .jsonl file "
+        "(messages/conversations/prompt rows) or a dataset saved with save_to_disk, optionally "
+        "sliced like chat[100:].",
+        show=None,
+    )
+    output: str = _opt(help="Output directory (resumed if it exists).", show=None)
+    max_new_tokens: int = _opt(256, "Tokens per reply.")
+    temperature: float = _opt(0.0, "0 = greedy.")
+    top_p: float = _opt(1.0, "Nucleus mass when sampling.")
+    batch_size: int = _opt(8, "Prompts generated together.")
+    num_samples: int = _opt(1, "Replies per prompt (> 1 needs --temperature > 0).")
+    backend: str = _opt(
+        "transformers",
+        "What generates the replies (vllm: continuous batching; hidden states always come "
+        "from transformers).",
+        choices=BACKENDS,
+    )
+    kv_cache_gb: int | None = _opt(None, "vLLM's CPU KV cache in GiB (vllm backend).")
+    target_layer_ids: tuple[int, ...] | None = _opt(
+        None, "Aux layer ids, e.g. 2,15,27.", ints=True, show="2,N//2,N-3"
+    )
+    draft_vocab_size: int = _opt(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
+    max_samples: int | None = _opt(None, "Use only the first N prompts.", show=None)
+    seed: int = _opt(0, "Sampling seed.")
+    dtype: str = _opt(
+        "float32", "Target dtype, also the hidden states' dtype.", choices=DTYPE_NAMES
+    )
+    device: str = _opt("cpu", "Torch device of the target.")
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "draft_vocab_size", "num_samples"):

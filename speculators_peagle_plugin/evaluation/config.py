@@ -1,37 +1,25 @@
 """``speculators-peagle eval``'s settings: one typed, validated place for each default.
 
 Every field that is a flag carries its help text (and its choices, its flag name when it
-is not the field's name) in its metadata; the ``eval`` command's options are generated
-from them, so a default or a choice list is written here and nowhere else.
+is not the field's name) in its metadata (:func:`~..common.flags.flag_field`); the ``eval``
+command's options are generated from them, so a default or a choice list is written here
+and nowhere else.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
+from ..common.flags import flag_field as _opt
 
 BACKENDS = ("vllm", "reference")
 
 
 def _stamp() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
-def _opt(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A002 - click's word
-    """An EvalConfig field and its ``--flag``: no ``default`` and no ``factory`` = required.
-
-    ``meta``: ``flag`` (the long option when it is not ``--field-name``), ``short``,
-    ``choices``, ``multiple`` (repeatable), ``ints`` (a comma-separated list of integers),
-    ``negate`` (a switch that sets the field to False), ``show`` (the default as the help
-    shows it; ``None``: not shown; absent: the default itself).
-    """
-    metadata = {"help": help, **meta}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import get_args, get_origin, get_type_hints
 
+from ..common.flags import flag_field as _opt
 from ..core.config import CODConfig, _fail, check_int_at_least
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
 
@@ -29,11 +30,6 @@ def _coerce(name: str, value, hint):
     if hint in (str, bool) and isinstance(value, hint):
         return value
     _fail(name, value, f"of type {hint.__name__}")
-
-
-def _opt(default, help: str, **meta):  # noqa: A002 - click's word for it
-    """A TrainConfig field: its one default and its ``--flag`` help (``choices``/``flag``)."""
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
