@@ -34,6 +34,7 @@ def build_peagle_trainer(draft, config, *, mask_token_id):
         cod.down_sample_ratio_min,
         config.sequence_partitions,
         max_anchors=cod.max_anchors,
+        hard_label_weight=config.hard_label_weight,
     )
 
 

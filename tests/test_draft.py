@@ -263,6 +263,41 @@ def test_fused_linear_kl_matches_plain_kl_and_autograd(monkeypatch, weight_grad)
     assert torch.equal(hits, logits.argmax(-1) == targets[rows].argmax(-1))
 
 
+@pytest.mark.parametrize(("seed", "w"), [(0, 0.3), (1, 0.9), (2, 1.0)])
+def test_fused_linear_kl_with_hard_labels_is_the_kl_to_the_mixed_target(monkeypatch, seed, w):
+    """Oracle: KL((1-w) p + w onehot(argmax p) || q) in float64 through autograd, which is
+    (1-w) KL(p || q) + w CE(argmax p, q) up to a constant of the target alone."""
+    from speculators_peagle_plugin.kernels import fused_kl as loss
+
+    monkeypatch.setattr(loss, "CHUNK_ROWS", 5)
+    gen = torch.Generator().manual_seed(seed)
+    n, m, vocab = int(torch.randint(9, 31, (1,), generator=gen)), 6, 13
+    hidden = torch.randn(n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randn(m, vocab, generator=gen, dtype=torch.float64) * 2
+    rows = torch.randint(0, m, (n,), generator=gen)
+    kl_sum, hits = fused_linear_kl(hidden, weight, targets, rows, w)
+    kl_sum.backward()
+    got_h, got_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    p = torch.softmax(targets, -1)
+    mixed = (1 - w) * p + w * torch.nn.functional.one_hot(p.argmax(-1), vocab).double()
+    log_q = torch.log_softmax(hidden @ weight.T, -1)
+    want = (torch.special.xlogy(mixed[rows], mixed[rows]) - mixed[rows] * log_q).sum()
+    want.backward()
+    torch.testing.assert_close(kl_sum, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_h, hidden.grad, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(got_w, weight.grad, rtol=1e-10, atol=1e-13)
+    ce = -log_q.gather(-1, p.argmax(-1)[rows, None]).sum()
+    plain = fused_linear_kl(hidden.detach(), weight.detach(), targets, rows)[0]
+    entropy_gap = (torch.special.xlogy(mixed, mixed) - (1 - w) * torch.special.xlogy(p, p))
+    torch.testing.assert_close(
+        kl_sum - (1 - w) * plain - w * ce, entropy_gap.sum(-1)[rows].sum(), rtol=1e-9, atol=1e-9
+    )
+    assert torch.equal(hits, (hidden @ weight.T).argmax(-1) == targets[rows].argmax(-1))
+
+
 def test_fused_linear_kl_under_autocast_runs_its_matmuls_in_bfloat16():
     """Mixed precision: the lm_head products in bfloat16 (as nn.Linear's under autocast),
     the softmax / KL in float32, float32 gradients; oracle: float64 on the same roundings."""

@@ -319,6 +319,39 @@ def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, 
     assert "num_key_value_heads must divide the draft's 4 attention heads, got 3" in line
 
 
+def test_more_depths_trained_than_served_and_a_hard_label_loss(workdir, tmp_path):
+    """--num-depths 3 --num-speculative-tokens 2: three depths trained, K=2 declared for
+    vLLM, the trained depths kept for check; --hard-label-weight changes the loss only."""
+    from speculators.model import SpeculatorModel
+
+    from speculators_peagle_plugin.serving.check import check_checkpoint
+
+    def first_loss(save):
+        return json.loads((save / METRICS_FILE).read_text().splitlines()[0])["loss"]
+
+    args = ("--max-steps", "2", "--num-speculative-tokens", "2")
+    code, out = run_cli(train_args(workdir, tmp_path / "kl", *args))
+    assert code == 0, out
+    code, out = run_cli(train_args(workdir, tmp_path / "hard", *args, "--hard-label-weight", "0.5"))
+    assert code == 0, out
+    final = tmp_path / "hard" / f"{CHECKPOINT_PREFIX}2"
+    config = json.loads((final / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert config["num_depths"] == 3
+    record = json.loads((tmp_path / "hard" / METRICS_FILE).read_text().splitlines()[0])
+    assert len(record["accuracy_per_depth"]) == 3
+    assert first_loss(tmp_path / "hard") != pytest.approx(first_loss(tmp_path / "kl"), rel=1e-3)
+    SpeculatorModel.from_pretrained(final, verifier=str(workdir / "target"))  # still loads
+
+    def depth_warnings(k):
+        findings = check_checkpoint(final, workdir / "target", num_speculative_tokens=k,
+                                    device="any", scan_values=False)  # fmt: skip
+        return [f for f in findings if f.code == "depth"]
+
+    assert depth_warnings(3) == [] and len(depth_warnings(4)) == 1
+    assert "past the 3 depths" in depth_warnings(4)[0].message
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_deepest_aux(
     workdir, tmp_path, seed

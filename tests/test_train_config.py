@@ -1,5 +1,6 @@
 """TrainConfig: one default per field, YAML < flags, one-sentence errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,15 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
         ("sequence_partitions: 0\n", "sequence_partitions must be an integer >= 1"),
         ("draft_arch: gpt2\n", "draft_arch must be one of llama, qwen3, got 'gpt2'."),
         ("- a\n- b\n", "must hold a mapping"),
+        ("num_depths: 3\nnum_speculative_tokens: 4\n",
+         "num_speculative_tokens must be an integer in [1, num_depths=3], got 4."),
+        ("hard_label_weight: 1.5\n", "hard_label_weight must be a number in [0, 1], got 1.5."),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         build_train_config(str(path), no_flags(**REQUIRED))
 
 

@@ -111,18 +111,24 @@ def fused_linear_kl(
     weight: torch.Tensor,
     target_logits: torch.Tensor,
     target_rows: torch.Tensor,
+    hard_label_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum_i KL(softmax(target[target_rows[i]]) || softmax(hidden[i] @ weight.T))``.
+    """``sum_i KL(p[target_rows[i]] || softmax(hidden[i] @ weight.T))``, ``p = softmax(target)``.
 
     Args:
         hidden: ``[n, D]`` rows entering the (bias-free) ``lm_head``.
         weight: ``[V_d, D]`` ``lm_head`` weight.
         target_logits: ``[m, V_d]`` target logits at the distinct positions (no grad).
         target_rows: ``[n]`` row of ``target_logits`` for each hidden row.
+        hard_label_weight: ``w`` in [0, 1]; the target distribution becomes
+            ``(1 - w) p + w onehot(argmax p)``. Its KL is ``(1 - w) KL(p || q) + w CE(argmax,
+            q)`` up to a constant, so ``w`` moves the draft's capacity from the tail of ``p``
+            to the one token greedy acceptance checks. 0: plain KL.
 
     Returns:
         ``(kl_sum, hits)``: the summed KL (scalar, grad to ``hidden`` and ``weight``)
-        and ``[n]`` bool argmax agreement. Equals :func:`trainer._kl_div_loss` summed.
+        and ``[n]`` bool argmax agreement. Equals :func:`trainer._kl_div_loss` summed
+        (``w = 0``).
     """
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     device = hidden.device.type
@@ -142,10 +148,15 @@ def fused_linear_kl(
             t = target_logits[s : s + CHUNK_ROWS].to(dtype, copy=True)  # ours to overwrite
             t_max, t_argmax = t.max(-1)
             p = torch.softmax(t, -1, out=target_p[s : s + CHUNK_ROWS])
-            p_sum = p.sum(-1)
-            lse = _lse(t_max, p, t_argmax)
-            target_stats[s : s + CHUNK_ROWS, 0] = t.mul_(p).sum(-1) - lse * p_sum
-            target_stats[s : s + CHUNK_ROWS, 1] = p_sum
+            if hard_label_weight:
+                p.mul_(1 - hard_label_weight)
+                hard = torch.full_like(t_max[:, None], hard_label_weight)
+                p.scatter_add_(-1, t_argmax[:, None], hard)
+                neg_entropy = torch.special.xlogy(p, p).sum(-1)
+            else:
+                neg_entropy = t.mul_(p).sum(-1) - _lse(t_max, p, t_argmax) * p.sum(-1)
+            target_stats[s : s + CHUNK_ROWS, 0] = neg_entropy
+            target_stats[s : s + CHUNK_ROWS, 1] = p.sum(-1)
             target_argmax[s : s + CHUNK_ROWS] = t_argmax
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):

@@ -82,6 +82,11 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
         draft_attn_impl="sdpa",
     )
     draft.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
+    served = config.num_speculative_tokens
+    if served is not None and served != config.num_depths:
+        # vLLM reads only the served K; the depths trained stay beside it for `check`.
+        draft.config.speculators_config.proposal_methods[0].speculative_tokens = served
+        draft.config.num_depths = config.num_depths
     if config.draft_init == "verifier":
         init_from_verifier(draft, config.verifier_name_or_path, target_layer_ids)
     return draft

@@ -30,6 +30,7 @@ from .checkpoint import (
     DraftCheckpoint,
     Finding,
     aux_layer_count,
+    declared_k,
     default_device,
     error,
     head_dim,
@@ -204,7 +205,7 @@ def _layer_type_supported(d: _Draft) -> list[Finding]:
 
 
 def _speculative_tokens(d: _Draft) -> list[Finding]:
-    if trained_depths(d.config) is not None:
+    if declared_k(d.config) is not None:
         return []
     return [
         error(

@@ -133,13 +133,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def trained_depths(config: dict) -> int | None:
-    """The ``speculative_tokens`` (K) a checkpoint config declares, or ``None``."""
+def declared_k(config: dict) -> int | None:
+    """The ``speculative_tokens`` (K) a checkpoint config declares for serving, or ``None``."""
     try:
         k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     except (KeyError, IndexError, TypeError):
         return None
     return k if is_int(k) and k >= 1 else None
+
+
+def trained_depths(config: dict) -> int | None:
+    """The depths a checkpoint was trained for: its ``num_depths`` where training declared
+    fewer for serving (``train --num-speculative-tokens``), else the declared K."""
+    depths = config.get("num_depths")
+    return depths if is_int(depths) and depths >= 1 else declared_k(config)
 
 
 def is_int(value) -> bool:

@@ -28,10 +28,10 @@ from .checkpoint import (
     DraftCheckpoint,
     Finding,
     aux_layer_count,
+    declared_k,
     default_device,
     layer_type_of,
     resolve_target,
-    trained_depths,
 )
 
 __all__ = ["export_checkpoint"]
@@ -135,7 +135,7 @@ def _fix_draft_vocab(config: dict, tensors: dict) -> None:
 
 
 def _fix_speculative_tokens(config: dict, spec: dict, num_speculative_tokens) -> None:
-    if trained_depths(config) is not None or num_speculative_tokens is None:
+    if declared_k(config) is not None or num_speculative_tokens is None:
         return
     methods = spec.setdefault("proposal_methods", [{}])
     if not methods:

@@ -75,10 +75,21 @@ class TrainConfig:
     )
     norm_before_residual: bool = _opt(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = _opt(False, "Train the token embedding too.")
-    num_depths: int = _opt(CODConfig.num_depths, "Parallel depths K (speculative tokens).")
+    num_depths: int = _opt(CODConfig.num_depths, "Parallel depths trained (COD depths).")
+    num_speculative_tokens: int | None = _opt(
+        None,
+        "K the checkpoint declares for serving (vLLM's num_speculative_tokens), at most "
+        "num_depths; default: num_depths. Training more depths than are served teaches the "
+        "served ones from longer chains.",
+    )
     down_sample_ratio: float = _opt(CODConfig.down_sample_ratio, "COD decay ratio r.")
     down_sample_ratio_min: float = _opt(CODConfig.down_sample_ratio_min, "COD floor r_min.")
     max_anchors: int | None = _opt(CODConfig.max_anchors, "Cap on COD chain starts per row.")
+    hard_label_weight: float = _opt(
+        0.0,
+        "Weight w of the target's argmax in the KL target, (1-w) p + w onehot(argmax p): "
+        "greedy acceptance checks only the argmax. 0 = plain KL (speculators').",
+    )
     sequence_partitions: int = _opt(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
     total_seq_len: int = _opt(8192, "Tokens per packed row.")
     lr: float = _opt(1e-3, "AdamW learning rate.")
@@ -138,6 +149,16 @@ class TrainConfig:
                 f"autocast {self.autocast} keeps float32 weights: it needs dtype float32, "
                 f"got {self.dtype}."
             )
+        if self.num_speculative_tokens is not None and not (
+            1 <= self.num_speculative_tokens <= self.num_depths
+        ):
+            _fail(
+                "num_speculative_tokens",
+                self.num_speculative_tokens,
+                f"an integer in [1, num_depths={self.num_depths}]",
+            )
+        if not 0 <= self.hard_label_weight <= 1:
+            _fail("hard_label_weight", self.hard_label_weight, "a number in [0, 1]")
         if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:
             raise ValueError("lr and checkpoint_freq must be > 0 and weight_decay >= 0.")
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here
