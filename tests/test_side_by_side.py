@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tiny import tiny_workdir
 
 sys.path.insert(0, str(Path(__file__).parent.parent))  # the repo root: eval/ is not installed
-from eval import side_by_side  # noqa: E402
+from eval import demo_run, side_by_side  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_both_sides_train_alike_under_autocast(spec, tmp_path):
 
 def test_no_finished_demo_is_one_sentence(tmp_path):
     with pytest.raises(SystemExit, match="run `make demo` first"):
-        side_by_side._demo_inputs(tmp_path)
+        demo_run.demo_inputs(tmp_path)
 
 
 def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, monkeypatch):
@@ -105,13 +105,13 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
               "data": {"inputs": {"dtype": "bfloat16"},
                        "outputs": {"path": "runs/demo/data"}}}  # fmt: skip
     (demo / "stages.json").write_text(json.dumps(stages))
-    config = {"train_config": "configs/demo.yaml", "max_steps": None, "eval_max_new_tokens": 8,
-              "eval_batch_size": 2, "kv_cache_gb": 1, "num_speculative_tokens": 4,
-              "eval_prompts": ["humaneval[0:2]"]}  # fmt: skip
+    config = {"train_config": "configs/demo.yaml", "max_steps": None, "max_new_tokens": 16,
+              "eval_max_new_tokens": 8, "eval_batch_size": 2, "kv_cache_gb": 1,
+              "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}  # fmt: skip
     (demo / "demo.json").write_text(json.dumps({"config": config}))
     (tmp_path / "elsewhere" / "runs" / "demo" / "data").mkdir(parents=True)  # a decoy
     monkeypatch.chdir(tmp_path / "elsewhere")
-    inputs = side_by_side._demo_inputs(Path("../repo/runs/demo"))
+    inputs = demo_run.demo_inputs(Path("../repo/runs/demo"))
     assert inputs["data"] == str((demo / "data").resolve())
     assert inputs["target"] == "/models/target" and inputs["k"] == 4
     assert inputs["dtype"] == "bfloat16"  # the drafts are served in the data's dtype

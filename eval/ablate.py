@@ -1,0 +1,267 @@
+"""Recipe ablations: variants of the training recipe on the same data, steps and seeds.
+
+Usage (after ``make demo``, whose target, training data and YAML every arm shares)::
+
+    .venv/bin/python -m eval.ablate --variant baseline --variant hard50 hard_label_weight=0.5
+        [--seeds 0,1,2] [--steps N] [--demo-dir runs/demo] [--out runs/ablate]
+        [--eval-prompts SPEC ...] [--heldout SPEC ...]
+
+A variant is a name and ``field=value`` overrides of ``speculators-peagle train``'s settings
+(values in YAML: ``num_depths=6``, ``max_anchors=null``); the first variant is the baseline
+the others are set beside. Every arm trains on the demo's data with the demo's YAML for the
+same optimizer steps; the seed sets the initial weights, the row order and the COD draws.
+Per variant and seed (a cell):
+
+- train: ``speculators-peagle train`` in a child process; its wall time and peak RSS;
+- held out: teacher-forced loss, accuracy per depth and the acceptance estimate
+  (:func:`~speculators_peagle_plugin.training.heldout.heldout_metrics`) on the target's
+  greedy replies to each ``--heldout`` prompt set (generated once, under ``OUT/heldout/``);
+- served: ``speculators-peagle eval`` at the demo's K, greedy, on the ``--eval-prompts``
+  sets: acceptance length, mean and per position.
+
+A cell's figures go to ``OUT/<variant>/seed-<s>/cell.json`` when it ends; a rerun skips the
+finished cells and resumes an interrupted training. ``OUT/ablation.json`` holds every cell
+and, per variant and figure, the mean and the sample standard deviation over the seeds. The
+table sets each variant beside the baseline: the difference of the means, marked ``*``
+where it exceeds twice the larger of the two standard deviations (the bar a default must
+clear on both HumanEval and MT-Bench before it is adopted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from eval.demo_run import REPO, demo_inputs, run_command, served_acceptance
+from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.evaluation.report import provenance
+
+
+def parse_variant(tokens: list[str]) -> tuple[str, dict]:
+    """``["hard50", "hard_label_weight=0.5"]`` -> ``("hard50", {"hard_label_weight": 0.5})``."""
+    from speculators_peagle_plugin.training.config import TrainConfig
+
+    name, overrides = tokens[0], {}
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SystemExit(f"variant name {name!r} must be letters, digits, '_', '.' or '-'.")
+    known = set(TrainConfig.__dataclass_fields__)
+    for token in tokens[1:]:
+        key, sep, value = token.partition("=")
+        key = key.replace("-", "_")
+        if not sep or key not in known:
+            raise SystemExit(
+                f"variant {name}: {token!r} is not FIELD=VALUE with a train setting as FIELD."
+            )
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
+
+
+def _variant_yaml(demo: dict, overrides: dict, path: Path) -> Path:
+    """The demo's YAML with the variant's overrides (bfloat16 autocast only where native,
+    as the demo trains)."""
+    import torch
+
+    settings = yaml.safe_load(Path(demo["config"]).read_text())
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        settings["autocast"] = "none"  # emulated bfloat16 matmuls are slower than float32
+    settings.update(overrides)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
+def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
+    """The target's greedy replies (and hidden states) to ``spec``, generated once."""
+    path = out / "heldout" / re.sub(r"[^A-Za-z0-9_.-]+", "_", spec).strip("_")
+    if not (path / "state.json").is_file():
+        run_command([sys.executable, "-m", "speculators_peagle_plugin", "generate-data",
+                     "--target", demo["target"], "--prompts", spec, "--output", str(path),
+                     "--max-new-tokens", str(demo["max_new_tokens"]), "--backend", "vllm",
+                     "--kv-cache-gb", str(demo["kv_cache_gb"]),
+                     "--dtype", demo["dtype"]])  # fmt: skip
+    return path
+
+
+def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | None) -> dict:
+    """Train one cell in a child process (its progress bar on the terminal); its wall time,
+    peak RSS and final checkpoint."""
+    import time
+
+    from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
+    from speculators_peagle_plugin.training.progress import METRICS_FILE
+
+    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train", "--config",
+           str(config_yaml), "--verifier-name-or-path", demo["target"], "--data-path",
+           demo["data"], "--save-path", str(save), "--seed", str(seed)]  # fmt: skip
+    if steps is not None:
+        cmd += ["--max-steps", str(steps)]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    began = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"training {save} failed (output above); rerun to resume it.")
+    records = [json.loads(line) for line in (save / METRICS_FILE).read_text().splitlines()]
+    return {
+        "checkpoint": str(checkpoint_dirs(save)[-1]),
+        "train_s": time.perf_counter() - began,
+        "peak_rss_gib": usage.ru_maxrss / 2**20,  # KiB on Linux
+        "steps": records[-1]["step"],
+        "final_loss": records[-1]["loss"],
+    }
+
+
+def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: dict) -> dict:
+    """One variant at one seed: train, held-out figures, served figures (``cell.json``)."""
+    from speculators_peagle_plugin.training.config import TrainConfig
+    from speculators_peagle_plugin.training.heldout import heldout_metrics
+
+    name, overrides = variant
+    cell_dir = Path(args.out) / name / f"seed-{seed}"
+    done = cell_dir / "cell.json"
+    if done.is_file():
+        cell = json.loads(done.read_text())
+        if cell["overrides"] == overrides:
+            return cell
+        raise SystemExit(f"{cell_dir} was made with other overrides; use another --out.")
+    config_yaml = _variant_yaml(demo, overrides, Path(args.out) / name / "train.yaml")
+    steps = args.steps if args.steps is not None else demo["steps_demo"]
+    trained = _train(demo, config_yaml, cell_dir / "train", seed, steps)
+    config = TrainConfig.from_sources(
+        str(config_yaml), verifier_name_or_path=demo["target"], data_path=demo["data"],
+        save_path=str(cell_dir / "train"), seed=seed,
+    )  # fmt: skip
+    cell = {
+        "variant": name,
+        "overrides": overrides,
+        "seed": seed,
+        **trained,
+        "heldout": {
+            spec: heldout_metrics(trained["checkpoint"], config, path)
+            for spec, path in heldout.items()
+        },
+        "served": served_acceptance(
+            demo, [trained["checkpoint"]], args.eval_prompts, cell_dir / "eval"
+        )[trained["checkpoint"]],
+    }
+    atomic_write_text(done, json.dumps(cell, indent=1) + "\n")
+    return cell
+
+
+def figures(cell: dict) -> dict[str, float]:
+    """The figures compared across variants, by a name that says where they come from."""
+    out = {}
+    for spec, served in cell["served"].items():
+        out[f"served {spec}: acceptance length"] = served["acceptance_length"]
+        for i, rate in enumerate(served["per_position"] or []):
+            out[f"served {spec}: position {i + 1}"] = rate
+    for spec, held in cell["heldout"].items():
+        out[f"held out {spec}: acceptance estimate"] = held["acceptance_length"]
+        for d, acc in enumerate(held["accuracy_per_depth"]):
+            out[f"held out {spec}: accuracy depth {d}"] = acc
+    out["train s"] = cell["train_s"]
+    out["peak RSS GiB"] = cell["peak_rss_gib"]
+    return out
+
+
+def summarise(cells: list[dict], variants: list[str]) -> dict:
+    """Per variant and figure: mean, sample standard deviation and count over seeds."""
+    summary = {}
+    for name in variants:
+        rows = [figures(c) for c in cells if c["variant"] == name]
+        keys = [k for k in rows[0] if all(k in r for r in rows)]
+        summary[name] = {
+            k: {
+                "mean": statistics.fmean(r[k] for r in rows),
+                "std": statistics.stdev(r[k] for r in rows) if len(rows) > 1 else 0.0,
+                "n": len(rows),
+            }
+            for k in keys
+        }
+    return summary
+
+
+def table(summary: dict, variants: list[str]) -> str:
+    """Markdown: a row per figure, a column per variant; ``Δ`` against the first variant,
+    ``*`` where it exceeds twice the larger standard deviation of the two."""
+    base = summary[variants[0]]
+    lines = ["| figure | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    for key in base:
+        cells = []
+        for name in variants:
+            s = summary[name].get(key)
+            if s is None:
+                cells.append("-")
+                continue
+            text = f"{s['mean']:.3f} ± {s['std']:.3f}"
+            if name != variants[0]:
+                delta = s["mean"] - base[key]["mean"]
+                clears = abs(delta) > 2 * max(s["std"], base[key]["std"]) and s["n"] > 1
+                text += f" (Δ {delta:+.3f}{'*' if clears else ''})"
+            cells.append(text)
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--variant", action="append", nargs="+", metavar="NAME [FIELD=VALUE]",
+        help="Repeatable; the first is the baseline [default: baseline].",
+    )  # fmt: skip
+    parser.add_argument("--seeds", default="0,1,2", help="Comma-separated [default: 0,1,2].")
+    parser.add_argument("--steps", type=int, help="Optimizer steps [default: the demo's].")
+    parser.add_argument("--demo-dir", default="runs/demo")
+    parser.add_argument("--out", default="runs/ablate")
+    parser.add_argument("--eval-prompts", action="append", help="[default: the demo's].")
+    parser.add_argument("--heldout", action="append", help="[default: the demo's eval sets].")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
+    variants = [parse_variant(v) for v in (args.variant or [["baseline"]])]
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"variant names must differ, got {names}.")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--seeds {args.seeds!r} is not a comma-separated list of integers."
+        ) from None
+    demo = demo_inputs(Path(args.demo_dir))
+    args.out = str(Path(args.out).resolve())
+    args.eval_prompts = args.eval_prompts or demo["eval_prompts"]
+    heldout = {spec: _heldout_data(demo, spec, Path(args.out))
+               for spec in args.heldout or demo["eval_prompts"]}  # fmt: skip
+    cells = []
+    for i, (variant, seed) in enumerate((v, s) for v in variants for s in seeds):
+        print(f"[cell {i + 1}/{len(variants) * len(seeds)}] {variant[0]} seed {seed}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        cells.append(run_cell(demo, args, variant, seed, heldout))
+    summary = summarise(cells, names)
+    record = {
+        "provenance": provenance(["python", "-m", "eval.ablate", *sys.argv[1:]]),
+        "demo": demo,
+        "variants": dict(variants),
+        "seeds": seeds,
+        "steps": args.steps,
+        "cells": cells,
+        "summary": summary,
+    }
+    atomic_write_text(Path(args.out) / "ablation.json", json.dumps(record, indent=1) + "\n")
+    print(table(summary, names))
+    print(f"\nrecord: {Path(args.out) / 'ablation.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""What the evaluation scripts take from a finished demo run, and how they run commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from speculators_peagle_plugin.demo.artifacts import RunLayout
+from speculators_peagle_plugin.demo.stages import STATE_FILE
+from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_command(args: list[str]) -> str:
+    """Run ``args`` (from the repository root, offline), show its output but its ``RESULT``
+    lines, and return its stdout; exit with a one-line message if it fails."""
+    print("$ " + " ".join(args), file=sys.stderr, flush=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    sys.stdout.write("".join(line for line in done.stdout.splitlines(True)
+                             if not line.startswith("RESULT ")))  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"{args[2:4]} failed with exit code {done.returncode} (output above).")
+    return done.stdout
+
+
+def demo_inputs(demo_dir: Path) -> dict:
+    """The demo's target, data and training YAML, from its ``stages.json``."""
+    stages_path = demo_dir / STATE_FILE
+    stages = json.loads(stages_path.read_text()) if stages_path.is_file() else {}
+    summary = demo_dir / SUMMARY_FILE
+    if "data" not in stages or "target" not in stages or not summary.is_file():
+        raise SystemExit(
+            f"{demo_dir} holds no finished demo; run `make demo` first (or pass --demo-dir)."
+        )
+    config = json.loads(summary.read_text())["config"]
+    return {
+        "target": stages["target"]["outputs"]["path"],
+        # stages.json holds the data's path relative to where the demo ran, which need not
+        # be this process's working directory: take it from the run layout instead
+        "data": str(RunLayout(demo_dir).data.resolve()),
+        "config": config["train_config"],
+        "steps_demo": config["max_steps"],
+        "max_new_tokens": config["max_new_tokens"],
+        "eval_max_new_tokens": config["eval_max_new_tokens"],
+        "eval_batch_size": config["eval_batch_size"],
+        "kv_cache_gb": config["kv_cache_gb"],
+        # the dtype the target wrote the data in is the one the drafts are served with
+        # (a data stage that records no dtype was written in float32)
+        "dtype": stages["data"]["inputs"].get("dtype", "float32"),
+        "k": config["num_speculative_tokens"],
+        "eval_prompts": config["eval_prompts"],
+    }
+
+
+def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Path) -> dict:
+    """The drafts in one ``speculators-peagle eval`` run, served as the demo serves its own
+    (its K, greedy, no baseline); ``{draft: {prompt set: acceptance length, per position}}``."""
+    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", demo["target"],
+           "-k", str(demo["k"]), "--no-baseline",
+           "--max-new-tokens", str(demo["eval_max_new_tokens"]),
+           "--batch-size", str(demo["eval_batch_size"]),
+           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
+           "--out", str(out)]  # fmt: skip
+    for draft in drafts:
+        cmd += ["--draft", draft]
+    for spec in prompts:
+        cmd += ["--prompts", spec]
+    run_command(cmd)
+    runs = json.loads((out / "record.json").read_text())["runs"]
+    return {
+        draft: {r["prompt_set"]: {"acceptance_length": r["acceptance_length"],
+                                  "per_position": r["per_position"]}
+                for r in runs if r["draft"] == str(Path(draft).resolve())}
+        for draft in drafts
+    }  # fmt: skip

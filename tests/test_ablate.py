@@ -1,0 +1,60 @@
+"""eval/ablate.py's arithmetic: variant parsing, mean and spread over seeds, the noise bar."""
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eval import ablate  # noqa: E402
+
+
+def cell(variant, seed, acceptance, depth0, train_s):
+    return {
+        "variant": variant, "seed": seed, "train_s": train_s, "peak_rss_gib": 1.0,
+        "served": {"mt_bench": {"acceptance_length": acceptance, "per_position": [0.5, 0.2]}},
+        "heldout": {"chat": {"acceptance_length": 1 + depth0, "accuracy_per_depth": [depth0]}},
+    }  # fmt: skip
+
+
+def test_variants_parse_as_train_settings_with_yaml_values():
+    assert ablate.parse_variant(["base"]) == ("base", {})
+    name, overrides = ablate.parse_variant(
+        ["deep", "num_depths=6", "max-anchors=null", "hard_label_weight=0.5"]
+    )
+    assert (name, overrides) == ("deep", {"num_depths": 6, "max_anchors": None,
+                                          "hard_label_weight": 0.5})  # fmt: skip
+    for bad in (["x", "num_depht=3"], ["x", "lr"], ["a b"]):
+        with pytest.raises(SystemExit):
+            ablate.parse_variant(bad)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_summary_is_the_mean_and_sample_spread_and_the_bar_is_twice_the_larger(seed):
+    import random
+
+    rng = random.Random(seed)
+    base = [1.5 + rng.uniform(-0.01, 0.01) for _ in range(3)]
+    better = [1.7 + rng.uniform(-0.01, 0.01) for _ in range(3)]
+    close = [b + rng.uniform(-0.001, 0.001) for b in base]
+    cells = [cell("base", s, a, 0.4, 10.0 + s) for s, a in enumerate(base)]
+    cells += [cell("better", s, a, 0.5, 12.0) for s, a in enumerate(better)]
+    cells += [cell("close", s, a, 0.4, 9.0) for s, a in enumerate(close)]
+    summary = ablate.summarise(cells, ["base", "better", "close"])
+    got = summary["better"]["served mt_bench: acceptance length"]
+    assert got["mean"] == pytest.approx(sum(better) / 3, abs=1e-12)
+    assert got["std"] == pytest.approx(statistics.stdev(better), abs=1e-12) and got["n"] == 3
+    assert summary["base"]["train s"]["std"] == pytest.approx(1.0)  # 10, 11, 12
+    rows = {r.split("|")[1].strip(): r for r in ablate.table(summary, ["base", "better", "close"])
+            .splitlines()[2:]}  # fmt: skip
+    row = rows["served mt_bench: acceptance length"].split("|")
+    assert "*)" in row[3] and f"Δ {sum(better) / 3 - sum(base) / 3:+.3f}" in row[3]
+    assert "*" not in row[4]  # within twice the spread: not a win
+    assert "served mt_bench: position 2" in rows and "held out chat: accuracy depth 0" in rows
+
+
+def test_one_seed_never_clears_the_bar():
+    cells = [cell("base", 0, 1.5, 0.4, 1.0), cell("other", 0, 2.5, 0.6, 1.0)]
+    text = ablate.table(ablate.summarise(cells, ["base", "other"]), ["base", "other"])
+    assert "Δ +1.000)" in text and "*" not in text
