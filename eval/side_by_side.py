@@ -17,7 +17,8 @@ speculators' ``Trainer`` runs them), for the same number of optimizer steps:
 - ours: ``speculators_peagle_plugin.training.loop.train`` (the ``speculators-peagle train``
   loop, sequence partitions and all, as configured in the YAML);
 - theirs: a minimal loop around speculators' forward (its ``Trainer`` needs a GPU):
-  eager KL loss, its own COD sampler on the global torch RNG, seeded per step.
+  eager KL loss, its own COD sampler on the global torch RNG, seeded per step, with
+  ``speculators train``'s cap on chain starts (``--theirs-max-anchors none``: ours).
 
 Each side trains in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own; the
 training time is the optimizer-step loop alone (data opened, draft built and checkpoint
@@ -100,6 +101,7 @@ def train_theirs(spec: dict) -> dict:
     scheduler = _scheduler(optimizer, config, total)
     loss_config = resolve_loss_config("kl_div", "eager")
     cod = config.cod
+    max_anchors = spec.get("theirs_max_anchors", cod.max_anchors)
     losses = []
     began = time.perf_counter()
     for step in range(total):
@@ -111,7 +113,7 @@ def train_theirs(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         with autocast_context(config, torch.device("cpu")):  # as speculators' Trainer does
             _, loss, _ = model(
-                **batch, loss_config=loss_config, max_anchors=cod.max_anchors,
+                **batch, loss_config=loss_config, max_anchors=max_anchors,
                 num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
                 down_sample_ratio_min=cod.down_sample_ratio_min,
             )  # fmt: skip
@@ -137,6 +139,13 @@ def worker(side: str, spec: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def _speculators_max_anchors() -> int | None:
+    """``speculators train``'s default cap on P-EAGLE chain starts."""
+    from speculators.train.config.schema import DataArgs
+
+    return DataArgs.model_fields["max_anchors"].default
+
+
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
@@ -147,6 +156,11 @@ def _parse_args() -> argparse.Namespace:
         "--seed", type=int, help="Initial weights, row order and COD samples [default: the YAML's]."
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--theirs-max-anchors", type=lambda t: None if t.lower() == "none" else int(t),
+        default=_speculators_max_anchors(),
+        help="speculators' COD chain cap; none = ours [default: speculators train's default].",
+    )
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -165,7 +179,8 @@ def _train_sides(spec: dict) -> dict:
 
 def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     ours, theirs = results["ours"], results["theirs"]
-    print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}\n")
+    print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}; "
+          f"speculators' max_anchors {spec.get('theirs_max_anchors')}\n")  # fmt: skip
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
@@ -193,6 +208,7 @@ def main() -> None:
         "target": demo["target"], "data": demo["data"], "config": demo["config"],
         "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
         "out": str(out), "threads": args.threads, "seed": args.seed,
+        "theirs_max_anchors": args.theirs_max_anchors,
     }  # fmt: skip
     results = _train_sides(spec)
     prompts = args.eval_prompts or demo["eval_prompts"]

@@ -75,6 +75,20 @@ def test_partitioned_ours_matches_theirs_too(spec, tmp_path):
     )
 
 
+def test_theirs_max_anchors_is_their_chain_cap_and_our_config_else(spec, tmp_path):
+    """The cap reaches their sampler: with ours' (none) both agree, with a cap below the
+    rows' supervised positions theirs samples fewer chains and its losses move."""
+    same = dict(spec, out=str(tmp_path / "same"), steps=2, theirs_max_anchors=None)
+    capped = dict(spec, out=str(tmp_path / "capped"), steps=2, theirs_max_anchors=8)
+    ours = torch.tensor(side_by_side.train_ours(same)["losses"])
+    torch.testing.assert_close(
+        torch.tensor(side_by_side.train_theirs(same)["losses"]), ours, rtol=1e-4, atol=1e-7
+    )
+    theirs = torch.tensor(side_by_side.train_theirs(capped)["losses"])
+    assert (theirs - ours).abs().max() > 1e-3
+    assert side_by_side._speculators_max_anchors() == 512  # speculators 0.9.0's default
+
+
 def test_both_sides_train_alike_under_autocast(spec, tmp_path):
     """The YAML's mixed precision reaches both sides: their losses move off float32's
     together (bfloat16 products of different shapes: close, not equal)."""
