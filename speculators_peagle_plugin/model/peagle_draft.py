@@ -54,18 +54,19 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
-def _expand_mask_slots(x: torch.Tensor, mask_slots: int) -> torch.Tensor:
-    """``[1, U, ...] -> [1, U - 1 + mask_slots, ...]``: the last row repeated ``mask_slots`` times.
+def _expand_last_row(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[1, U, ...] -> [1, rows, ...]`` (``U <= rows``): the last row repeated to fill.
 
     The mask slots of a P-EAGLE sequence (every element at depth >= 1) all enter the
     first layer with the same input, ``mask_token_id``'s embedding and
-    ``masked_projected_hidden``. Until RoPE makes them differ, whatever is computed
-    from that input is computed once and repeated here; autograd sums the copies'
-    gradients into the one row, which is the same gradient (expand's backward).
+    ``masked_projected_hidden``, so the draft passes that input once, as the last of
+    ``U`` rows for ``rows`` positions. Until RoPE makes them differ, whatever is computed
+    from it is computed once and repeated here; autograd sums the copies' gradients into
+    the one row, which is the same gradient (expand's backward).
     """
-    if mask_slots == 0:
+    if x.shape[1] == rows:
         return x
-    return torch.cat([x[:, :-1], x[:, -1:].expand(-1, mask_slots, *x.shape[2:])], dim=1)
+    return torch.cat([x[:, :-1], x[:, -1:].expand(-1, rows - x.shape[1] + 1, *x.shape[2:])], 1)
 
 
 class _PeagleAttentionMixin:
@@ -78,14 +79,13 @@ class _PeagleAttentionMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        mask_slots: int = 0,
     ) -> torch.Tensor:
         """Attention over all COD depths in one pass.
 
         Args:
-            combined_states: ``[1, N, in]`` layer input; with ``mask_slots = m > 0``,
-                ``[1, N - m + 1, in]`` whose last row is the one input of the
-                sequence's last ``m`` rows (projected once, see :func:`_expand_mask_slots`).
+            combined_states: ``[1, N, in]`` layer input, or ``[1, U < N, in]`` whose last
+                row is the one input of the sequence's last ``N - U + 1`` rows (projected
+                once, see :func:`_expand_last_row`).
             position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``; they
                 enter through ``position_embeddings`` (RoPE cos/sin of these
                 positions, computed once per forward by the draft).
@@ -101,7 +101,8 @@ class _PeagleAttentionMixin:
         v = self.v_proj(combined_states).view(shape)
         if hasattr(self, "q_norm"):  # qwen3 normalises per head before RoPE
             q, k = _rms_norm(self.q_norm, q), _rms_norm(self.k_norm, k)
-        q, k, v = (_expand_mask_slots(t, mask_slots).transpose(1, 2) for t in (q, k, v))
+        rows = position_ids.shape[1]
+        q, k, v = (_expand_last_row(t, rows).transpose(1, 2) for t in (q, k, v))
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)
         out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, nh, N, hd]
@@ -119,28 +120,23 @@ class _PeagleDecoderLayerMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        mask_slots: int = 0,
     ) -> torch.Tensor:
         """Same norms, residuals and MLP as speculators' first layer, COD attention.
 
         Args:
             input_embeds: ``[1, N, D]`` token embeddings (mask token at depth >= 1).
             hidden_states: ``[1, N, D]`` fc-projected aux states (``mask_hidden`` at depth >= 1).
-            mask_slots: ``m > 0`` gives both inputs as ``[1, N - m + 1, D]``, the last row
-                standing for the sequence's last ``m`` rows (their norms and q/k/v
-                projections then run once). Returns ``[1, N, D]`` either way.
+            Both may be ``[1, U < N, D]``, the last row standing for the sequence's last
+            ``N - U + 1`` rows (their norms and q/k/v projections then run once); the
+            output is ``[1, N, D]`` either way.
         """
         residual = hidden_states
         hidden = _rms_norm(self.hidden_norm, hidden_states)
         if self.norm_before_residual:
             residual = hidden
         combined = torch.cat([_rms_norm(self.input_layernorm, input_embeds), hidden], dim=-1)
-        out = _expand_mask_slots(residual, mask_slots) + self.self_attn.forward_peagle(
-            combined,
-            position_ids,
-            block_mask,
-            position_embeddings=position_embeddings,
-            mask_slots=mask_slots,
+        out = _expand_last_row(residual, position_ids.shape[1]) + self.self_attn.forward_peagle(
+            combined, position_ids, block_mask, position_embeddings=position_embeddings
         )
         return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
@@ -268,7 +264,7 @@ class _PeagleDraftMixin:
             hidden = self._run_draft_layer(
                 layer.forward_peagle,
                 (*args, position_ids, block_mask[i]),
-                {"position_embeddings": rope, **({"mask_slots": mask_slots} if i == 0 else {})},
+                {"position_embeddings": rope},
             )
         return _rms_norm(self.norm, hidden) if self.config.norm_output else hidden
 
