@@ -35,6 +35,7 @@ def build_peagle_trainer(draft, config, *, mask_token_id):
         config.sequence_partitions,
         max_anchors=cod.max_anchors,
         hard_label_weight=config.hard_label_weight,
+        tv_weight=config.tv_weight,
     )
 
 

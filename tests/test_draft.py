@@ -298,6 +298,37 @@ def test_fused_linear_kl_with_hard_labels_is_the_kl_to_the_mixed_target(monkeypa
     assert torch.equal(hits, (hidden @ weight.T).argmax(-1) == targets[rows].argmax(-1))
 
 
+@pytest.mark.parametrize(("seed", "t", "w"), [(0, 0.5, 0.0), (1, 2.0, 0.0), (2, 1.0, 0.4)])
+def test_fused_linear_kl_with_a_tv_term_matches_its_float64_oracle(monkeypatch, seed, t, w):
+    """Oracle: sum KL(p || q) + t * sum |p - q| / 2 through autograd in float64 (``p`` the
+    hard-label-mixed target where ``w > 0``)."""
+    from speculators_peagle_plugin.kernels import fused_kl as loss
+
+    monkeypatch.setattr(loss, "CHUNK_ROWS", 4)
+    gen = torch.Generator().manual_seed(seed)
+    n, vocab = int(torch.randint(7, 25, (1,), generator=gen)), 11
+    hidden = torch.randn(n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randn(5, vocab, generator=gen, dtype=torch.float64) * 2
+    rows = torch.randint(0, 5, (n,), generator=gen)
+    got, _ = fused_linear_kl(hidden, weight, targets, rows, w, t)
+    got.backward()
+    got_h, got_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    p = torch.softmax(targets, -1)
+    p = (1 - w) * p + w * torch.nn.functional.one_hot(p.argmax(-1), vocab).double()
+    p = p[rows]
+    log_q = torch.log_softmax(hidden @ weight.T, -1)
+    want = (torch.special.xlogy(p, p) - p * log_q).sum() + t / 2 * (log_q.exp() - p).abs().sum()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_h, hidden.grad, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(got_w, weight.grad, rtol=1e-10, atol=1e-13)
+    plain = fused_linear_kl(hidden.detach(), weight.detach(), targets, rows, w)[0]
+    assert float(got - plain) > 1e-3  # the term is there
+
+
 def test_fused_linear_kl_under_autocast_runs_its_matmuls_in_bfloat16():
     """Mixed precision: the lm_head products in bfloat16 (as nn.Linear's under autocast),
     the softmax / KL in float32, float32 gradients; oracle: float64 on the same roundings."""

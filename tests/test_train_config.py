@@ -60,6 +60,7 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
         ("num_depths: 3\nnum_speculative_tokens: 4\n",
          "num_speculative_tokens must be an integer in [1, num_depths=3], got 4."),
         ("hard_label_weight: 1.5\n", "hard_label_weight must be a number in [0, 1], got 1.5."),
+        ("tv_weight: -1\n", "tv_weight must be a finite number >= 0, got -1.0."),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):

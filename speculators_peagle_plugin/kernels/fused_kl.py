@@ -38,8 +38,9 @@ def _lse(row_max: torch.Tensor, softmax: torch.Tensor, argmax: torch.Tensor) -> 
 class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype
-    ):
+        ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad,
+        mm_dtype, tv_weight,
+    ):  # fmt: skip
         dtype = target_p.dtype
         n, vocab = hidden.shape[0], weight.shape[0]
         kl = hidden.new_zeros(n, dtype=dtype)
@@ -75,9 +76,17 @@ class _FusedLinearKL(torch.autograd.Function):
             q = torch.softmax(z, -1, out=q_buf[:c])
             # KL = sum_v p (log p - z + lse) with lse(z) = z_max - log q[argmax]
             kl[s : s + CHUNK_ROWS] = neg_entropy - p_dot_z + p_sum * _lse(z_max, q, z_argmax)
+            if tv_weight:
+                # TV = sum |q - p| / 2; d TV / d z = q (sign - q . sign) / 2, sign = sign(q - p)
+                sign = torch.sub(q, p).sign_()
+                kl[s : s + CHUNK_ROWS] += tv_weight / 2 * (sign * (q - p)).sum(-1)
+                g_tv = q * (sign - (sign * q).sum(-1, keepdim=True)) * (tv_weight / 2)
             if need_h or need_w:
                 # d KL / d z = p_sum * softmax(z) - p
-                g = q.mul_(p_sum.unsqueeze(-1)).sub_(p).to(mm_dtype)
+                g = q.mul_(p_sum.unsqueeze(-1)).sub_(p)
+                if tv_weight:
+                    g.add_(g_tv)
+                g = g.to(mm_dtype)
                 if need_h and exact:
                     torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])
                 elif need_h:
@@ -103,6 +112,7 @@ class _FusedLinearKL(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -112,6 +122,7 @@ def fused_linear_kl(
     target_logits: torch.Tensor,
     target_rows: torch.Tensor,
     hard_label_weight: float = 0.0,
+    tv_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_i KL(p[target_rows[i]] || softmax(hidden[i] @ weight.T))``, ``p = softmax(target)``.
 
@@ -124,11 +135,14 @@ def fused_linear_kl(
             ``(1 - w) p + w onehot(argmax p)``. Its KL is ``(1 - w) KL(p || q) + w CE(argmax,
             q)`` up to a constant, so ``w`` moves the draft's capacity from the tail of ``p``
             to the one token greedy acceptance checks. 0: plain KL.
+        tv_weight: ``t >= 0`` adds ``t * TV(p, q) = t / 2 * sum |p - q|`` per row, the
+            distance that sets a sampled draft token's rejection rate (``1 - sum min(p,
+            q)``); 0: none.
 
     Returns:
-        ``(kl_sum, hits)``: the summed KL (scalar, grad to ``hidden`` and ``weight``)
+        ``(loss_sum, hits)``: the summed loss (scalar, grad to ``hidden`` and ``weight``)
         and ``[n]`` bool argmax agreement. Equals :func:`trainer._kl_div_loss` summed
-        (``w = 0``).
+        (``w = t = 0``).
     """
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     device = hidden.device.type
@@ -161,5 +175,6 @@ def fused_linear_kl(
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
         return _FusedLinearKL.apply(
-            hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype
-        )
+            hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype,
+            tv_weight,
+        )  # fmt: skip

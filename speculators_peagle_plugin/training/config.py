@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import get_args, get_origin, get_type_hints
 
@@ -90,6 +91,11 @@ class TrainConfig:
         "Weight w of the target's argmax in the KL target, (1-w) p + w onehot(argmax p): "
         "greedy acceptance checks only the argmax. 0 = plain KL (speculators').",
     )
+    tv_weight: float = _opt(
+        0.0,
+        "Weight of a total-variation term, sum |p - q| / 2 per element, added to the loss: "
+        "a sampled draft token is rejected at that rate. 0 = none.",
+    )
     sequence_partitions: int = _opt(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
     total_seq_len: int = _opt(8192, "Tokens per packed row.")
     lr: float = _opt(1e-3, "AdamW learning rate.")
@@ -159,6 +165,8 @@ class TrainConfig:
             )
         if not 0 <= self.hard_label_weight <= 1:
             _fail("hard_label_weight", self.hard_label_weight, "a number in [0, 1]")
+        if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
+            _fail("tv_weight", self.tv_weight, "a finite number >= 0")
         if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:
             raise ValueError("lr and checkpoint_freq must be > 0 and weight_decay >= 0.")
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here

@@ -46,8 +46,9 @@ class PEagleTrainerModule(torch.nn.Module):
         down_sample_ratio, down_sample_ratio_min: COD ``r`` and ``r_min``.
         sequence_partitions: ``S``; ``> 1`` enables the caller-driven partitioned path.
         max_anchors: optional COD chain cap; generator: optional RNG for COD draws.
-        hard_label_weight: weight of the target's argmax in the KL target
-            (:func:`~speculators_peagle_plugin.kernels.fused_kl.fused_linear_kl`); 0 = KL.
+        hard_label_weight, tv_weight: the loss beside the KL: the target's argmax mixed into
+            its distribution, a total-variation term
+            (:func:`~speculators_peagle_plugin.kernels.fused_kl.fused_linear_kl`); 0 = none.
 
     ``forward(..., peagle_segment=None)`` runs the single flat forward; with
     ``peagle_segment=(plan, i)`` from :meth:`build_peagle_plan` it runs segment
@@ -69,12 +70,16 @@ class PEagleTrainerModule(torch.nn.Module):
         max_anchors: int | None = None,
         generator: torch.Generator | None = None,
         hard_label_weight: float = 0.0,
+        tv_weight: float = 0.0,
     ):
         super().__init__()
         self.cod = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
         if not 0 <= hard_label_weight <= 1:
             raise ValueError(f"hard_label_weight must be in [0, 1], got {hard_label_weight!r}.")
         self.hard_label_weight = float(hard_label_weight)
+        if not tv_weight >= 0:
+            raise ValueError(f"tv_weight must be >= 0, got {tv_weight!r}.")
+        self.tv_weight = float(tv_weight)
         self.sequence_partitions = check_int_at_least("sequence_partitions", sequence_partitions, 1)
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
@@ -202,6 +207,7 @@ class PEagleTrainerModule(torch.nn.Module):
             targets,
             target_rows,
             self.hard_label_weight,
+            self.tv_weight,
         )
         k = self.cod.num_depths
         with torch.no_grad():
