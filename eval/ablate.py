@@ -244,7 +244,8 @@ def main() -> None:
     heldout = {spec: _heldout_data(demo, spec, Path(args.out))
                for spec in args.heldout or demo["eval_prompts"]}  # fmt: skip
     cells = []
-    for i, (variant, seed) in enumerate((v, s) for v in variants for s in seeds):
+    # seed-major: an interrupted run has every variant at its first seeds
+    for i, (seed, variant) in enumerate((s, v) for s in seeds for v in variants):
         print(f"[cell {i + 1}/{len(variants) * len(seeds)}] {variant[0]} seed {seed}",
               file=sys.stderr, flush=True)  # fmt: skip
         cells.append(run_cell(demo, args, variant, seed, heldout))
