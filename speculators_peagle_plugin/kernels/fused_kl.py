@@ -166,11 +166,13 @@ def fused_linear_kl(
                 p.mul_(1 - hard_label_weight)
                 hard = torch.full_like(t_max[:, None], hard_label_weight)
                 p.scatter_add_(-1, t_argmax[:, None], hard)
+            p_sum = p.sum(-1)
+            if hard_label_weight:
                 neg_entropy = torch.special.xlogy(p, p).sum(-1)
             else:
-                neg_entropy = t.mul_(p).sum(-1) - _lse(t_max, p, t_argmax) * p.sum(-1)
+                neg_entropy = t.mul_(p).sum(-1) - _lse(t_max, p, t_argmax) * p_sum
             target_stats[s : s + CHUNK_ROWS, 0] = neg_entropy
-            target_stats[s : s + CHUNK_ROWS, 1] = p.sum(-1)
+            target_stats[s : s + CHUNK_ROWS, 1] = p_sum
             target_argmax[s : s + CHUNK_ROWS] = t_argmax
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):

@@ -37,7 +37,7 @@ def heldout_metrics(
 
     Returns:
         ``{"loss", "accuracy_per_depth" [K], "acceptance_length", "supervised"}``: the
-        count-weighted KL (the training objective at ``hard_label_weight``), argmax accuracy
+        count-weighted training objective (KL and the config's loss terms), argmax accuracy
         per depth, the greedy-chain estimate from it, and the supervised elements per depth.
     """
     from ..data import PackedBatches, open_training_data
