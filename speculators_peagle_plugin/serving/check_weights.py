@@ -21,6 +21,7 @@ from .checkpoint import (
     Finding,
     error,
     layer_type_of,
+    object_at,
     warning,
 )
 
@@ -77,7 +78,7 @@ def _as_exported(config: dict, shapes: dict) -> dict:
         config["draft_vocab_size"] = shapes["lm_head.weight"][0]
     if config["transformer_layer_config"].get("model_type") is None:
         config["transformer_layer_config"]["model_type"] = layer_type_of(shapes)
-    verifier = (config.get("speculators_config") or {}).get("verifier")
+    verifier = object_at(config, "speculators_config").get("verifier")
     if isinstance(verifier, dict):
         verifier.setdefault("name_or_path", None)
     return config

@@ -30,6 +30,7 @@ from .checkpoint import (
     aux_layer_count,
     default_device,
     layer_type_of,
+    object_at,
     resolve_target,
     trained_depths,
 )
@@ -107,7 +108,8 @@ def _fix_config(config, tensors, target, mask_token_id, num_speculative_tokens) 
         _fix_fc_norm(config, layer)
         _fix_aux_count(config, layer)
     _fix_draft_vocab(config, tensors)
-    spec = config.setdefault("speculators_config", {})
+    # A null (or non-object) block gets the keys vLLM needs, as a missing one does.
+    spec = config["speculators_config"] = object_at(config, "speculators_config")
     _fix_speculative_tokens(config, spec, num_speculative_tokens)
     _fix_verifier(spec, target)
     _fix_mask_token_id(config, mask_token_id)
@@ -137,16 +139,16 @@ def _fix_draft_vocab(config: dict, tensors: dict) -> None:
 def _fix_speculative_tokens(config: dict, spec: dict, num_speculative_tokens) -> None:
     if trained_depths(config) is not None or num_speculative_tokens is None:
         return
-    methods = spec.setdefault("proposal_methods", [{}])
-    if not methods:
-        methods.append({})
+    methods = spec.get("proposal_methods")
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        methods = spec["proposal_methods"] = [{}]
     methods[0].setdefault("proposal_type", "greedy")
     methods[0]["speculative_tokens"] = int(num_speculative_tokens)
     spec.setdefault("default_proposal_method", "greedy")
 
 
 def _fix_verifier(spec: dict, target: Path | None) -> None:
-    verifier = spec.setdefault("verifier", {})
+    verifier = spec["verifier"] = object_at(spec, "verifier")
     if "name_or_path" not in verifier:
         verifier["name_or_path"] = None if target is None else str(target)
 

@@ -6,6 +6,7 @@ Shapes (see :mod:`speculators_peagle_plugin.core`): ``K`` depths.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -48,6 +49,26 @@ class StopFlag:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def check_finite(loss: float, grad_norm: float, step: int, last_saved: Path | None) -> None:
+    """Stop (``ValueError``) before the optimizer applies a non-finite loss or gradient.
+
+    Every rank sees the same all-reduced loss and the same gradient norm, so all stop together,
+    and the non-finite state is never saved: the newest checkpoint stays the last finite one.
+    """
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = f"the gradient norm is {grad_norm}"
+    if not math.isfinite(loss):
+        what = f"the loss is {loss}"
+    kept = "no checkpoint was saved"
+    if last_saved:
+        kept = f"the newest checkpoint is still {last_saved}"
+    raise ValueError(
+        f"Training diverged at step {step}: {what}, so it stopped before applying it ({kept}); "
+        "lower --lr or keep --max-grad-norm on."
+    )
 
 
 def reduce_record(stats: dict, tokens: float, signum: int, world: World) -> dict:
