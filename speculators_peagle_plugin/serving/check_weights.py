@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.reading import first_line
 from .checkpoint import (
     PREFIX,
     VERIFIER_ONLY,
@@ -58,7 +59,8 @@ def check_weights(ckpt: DraftCheckpoint, scan_values: bool) -> list[Finding]:
             *found,
             error(
                 "config",
-                f"the config does not build a P-EAGLE draft ({type(exc).__name__}: {exc}).",
+                f"the config does not build a P-EAGLE draft ({type(exc).__name__}: "
+                f"{first_line(exc)}).",
                 "Save the checkpoint with speculators' PEagleSpeculatorConfig.",
             ),
         ]

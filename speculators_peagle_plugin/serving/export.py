@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..common.files import atomic_directory
+from ..common.reading import read_json
 from .check import run_rules
 from .checkpoint import (
     DEFAULT_AUX_LAYERS,
@@ -148,9 +149,12 @@ def _fix_speculative_tokens(config: dict, spec: dict, num_speculative_tokens) ->
 
 
 def _fix_verifier(spec: dict, target: Path | None) -> None:
+    spec.setdefault("algorithm", "peagle")  # the check's first rule passed on the model type
     verifier = spec["verifier"] = object_at(spec, "verifier")
     if "name_or_path" not in verifier:
         verifier["name_or_path"] = None if target is None else str(target)
+    if "architectures" not in verifier and target is not None:
+        verifier["architectures"] = read_json(target / "config.json").get("architectures") or []
 
 
 def _fix_mask_token_id(config: dict, mask_token_id: int | None) -> None:
