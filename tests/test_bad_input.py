@@ -199,6 +199,11 @@ def test_device_cuda_without_cuda_is_one_sentence(workdir, tmp_path):
     line = refusal(*run_cli(train_args(workdir, tmp_path / "save", "--device", "cuda")))
     assert "--device cuda: this machine has no CUDA device; use --device cpu." in line
     assert not (tmp_path / "save").exists()
+    args = ["generate-data", "--target", str(workdir / "target"), "--device", "cuda",
+            "--prompts", str(workdir / "prompts.jsonl"), "--output", str(tmp_path / "data")]
+    line = refusal(*run_cli(args))
+    assert "--device cuda: this machine has no CUDA device" in line
+    assert not (tmp_path / "data").exists()
 
 
 # ------------------------------------------------------------------ paths and order of checks
@@ -322,3 +327,31 @@ def test_setup_installs_the_stack_of_the_machine(tmp_path, gpu, extra):
     assert f"-e '.[{extra},dev]'" in plan
     other = "cuda" if extra == "cpu" else "cpu"
     assert f".[{other}," not in plan
+
+
+def test_a_metrics_line_cut_by_a_kill_is_dropped_on_resume(workdir, trained, tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(trained, save)
+    with open(save / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 3, "lo')
+    code, out = run_cli(train_args(workdir, save, "--max-steps", "3"))
+    assert code == 0, out
+    steps = [json.loads(x)["step"] for x in (save / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_what_a_killed_run_left_is_cleared_and_the_rerun_resumes(
+    workdir, trained, tmp_path, caplog
+):
+    save = tmp_path / "save"
+    shutil.copytree(trained, save)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (save / LOCK_FILE).write_text(dead)  # its flock died with it
+    (save / f".checkpoint-3.tmp-{dead}").mkdir()  # a checkpoint it was writing
+    caplog.set_level(logging.INFO)
+    code, out = run_cli(train_args(workdir, save, "--max-steps", "3"))
+    assert code == 0, out
+    assert f"took over the lock of PID {dead}" in caplog.text
+    assert "resumed from" in caplog.text and "at step 2" in caplog.text
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith(".")) == []

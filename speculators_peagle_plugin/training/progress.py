@@ -118,9 +118,17 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def trim_metrics_log(path: Path, after_step: int) -> None:
-    """Drop lines a killed run logged past the checkpoint it resumes from."""
+    """Drop lines a killed run logged past the checkpoint it resumes from, and a line it
+    was killed while writing (one that does not parse)."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["step"] <= after_step]
+    kept = [ln for ln in path.read_text().splitlines() if _logged_step(ln) <= after_step]
     atomic_write_text(path, "".join(ln + "\n" for ln in kept))
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line that is not a step record counts as never logged."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
