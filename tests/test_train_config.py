@@ -61,6 +61,13 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
          "num_speculative_tokens must be an integer in [1, num_depths=3], got 4."),
         ("hard_label_weight: 1.5\n", "hard_label_weight must be a number in [0, 1], got 1.5."),
         ("tv_weight: -1\n", "tv_weight must be a finite number >= 0, got -1.0."),
+        ("lr: [0.1\n", "is not readable YAML (while parsing a flow sequence"),
+        ("lr: .inf\n", "lr must be a finite number > 0, got inf."),
+        ("lr: .nan\n", "lr must be a finite number > 0, got nan."),
+        ("max_grad_norm: -1\n", "max_grad_norm must be a finite number > 0"),
+        ("checkpoint_freq: .inf\n", "checkpoint_freq must be a finite number > 0, got inf."),
+        ("weight_decay: -0.1\n", "weight_decay must be a finite number >= 0, got -0.1."),
+        ("scheduler_warmup_steps: 10\nmax_steps: 5\n", "scheduler_warmup_steps 10 is more than"),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
@@ -73,3 +80,21 @@ def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
 def test_required_paths():
     with pytest.raises(ValueError, match="verifier_name_or_path is required"):
         build_train_config(None, no_flags(data_path="/d"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"lr": "inf"}, "lr must be a finite number > 0, got inf."),
+        ({"max_grad_norm": "-1"}, "max_grad_norm must be a finite number > 0"),
+        ({"checkpoint_freq": "inf"}, "checkpoint_freq must be a finite number > 0, got inf."),
+    ],
+)
+def test_optimizer_flags_out_of_range_are_one_sentence(flags, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        build_train_config(None, no_flags(**REQUIRED, **flags))
+
+
+def test_max_grad_norm_none_turns_clipping_off():
+    config = build_train_config(None, no_flags(**REQUIRED, max_grad_norm="none"))
+    assert config.max_grad_norm is None

@@ -6,13 +6,14 @@ every file is written under a temporary name and renamed (``common.files``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
+from ..common.lock import LOCK_FILE, exclusive_directory
+from ..common.reading import read_json
 from .capture import write_hidden_states
 from .config import (
     HIDDEN_STATES_DIR,
@@ -66,7 +67,7 @@ def _check_output(output: Path, settings: dict) -> bool:
     """Whether ``output`` is a resumable run of the same settings; raise if it is another's."""
     settings_path = output / SETTINGS_FILE
     if settings_path.exists():
-        old = json.loads(settings_path.read_text())
+        old = read_json(settings_path)
         for key in _IDENTITY_KEYS:
             if old.get(key) != settings[key]:
                 raise ValueError(
@@ -75,7 +76,7 @@ def _check_output(output: Path, settings: dict) -> bool:
                     "directory or the original settings to resume."
                 )
         return True
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    if any(p.name != LOCK_FILE for p in output.iterdir()):
         raise ValueError(
             f"--output {output} is not an empty directory and was not made by generate-data "
             f"(no {SETTINGS_FILE}); choose a new or empty directory."
@@ -123,11 +124,17 @@ def generate_data(config: DataGenConfig) -> TrainingData:
     output = Path(config.output)
     # Everything that can reject the input runs before the output directory is touched.
     settings = _settings(config, AutoConfig.from_pretrained(config.target))
+    if output.is_file():
+        raise ValueError(f"--output {output} is a file; choose a new or empty directory.")
+    with exclusive_directory(output, "generate-data"):
+        return _generate(config, output, settings)
+
+
+def _generate(config: DataGenConfig, output: Path, settings: dict) -> TrainingData:
     resuming = _check_output(output, settings)
     prompts = load_prompts(config.prompts, config.max_samples)
     target = Target(config)
     if not resuming:
-        output.mkdir(parents=True, exist_ok=True)
         atomic_write_json(output / SETTINGS_FILE, settings)
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
         remove_stale_temporaries(directory)

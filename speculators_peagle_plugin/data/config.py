@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.devices import checked_device
 from ..common.dtypes import DTYPE_NAMES, DTYPES
 from ..common.flags import flag_field as _opt
 from ..core.config import check_int_at_least
@@ -145,6 +146,7 @@ class DataGenConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        checked_device(self.device)
         if not (Path(self.target) / "config.json").is_file():
             raise ValueError(
                 f"--target {self.target} is not a local transformers model directory "

@@ -6,7 +6,6 @@ data made by ``speculators prepare-data`` with hidden states from vLLM.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from ..common.files import atomic_write
+from ..common.reading import load_plain_torch, read_json
 from ..core.config import check_int_at_least
 from .config import HIDDEN_STATES_DIR, SETTINGS_FILE, TOKEN_FREQ_FILE, hs_path
 
@@ -190,7 +190,7 @@ class TrainingData:
                 f"draft_vocab_size {draft_vocab_size} exceeds the target's vocabulary size "
                 f"{target_vocab_size}."
             )
-        freq = torch.load(freq_path, weights_only=True)
+        freq = load_plain_torch(freq_path, "a token frequency file")
         d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
         _save_npy(d2t_path, d2t.numpy())
         _save_npy(t2d_path, t2d.numpy())
@@ -243,7 +243,7 @@ def _read_rows(path: Path) -> tuple[int, np.ndarray, int]:
             "`speculators-peagle generate-data` or `speculators prepare-data`)."
         ) from err
     except Exception as err:  # noqa: BLE001 - datasets fails on a 0-shard (empty) dataset
-        state = json.loads((path / "state.json").read_text())
+        state = read_json(path / "state.json")
         if not state.get("_data_files"):
             raise DataError(f"The dataset at {path} is empty.") from err
         raise DataError(f"The dataset at {path} is unreadable ({err}).") from err
@@ -343,7 +343,7 @@ def open_training_data(
         num_samples=num_rows,
         num_loss_tokens=num_loss_tokens,
         lengths=[int(x) for x in lengths],
-        settings=json.loads(settings_path.read_text()) if settings_path.exists() else None,
+        settings=read_json(settings_path) if settings_path.exists() else None,
     )
     if draft_vocab_size is not None:
         data.check_vocab_mapping(draft_vocab_size)

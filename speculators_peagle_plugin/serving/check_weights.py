@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.reading import first_line
 from .checkpoint import (
     PREFIX,
     VERIFIER_ONLY,
@@ -21,6 +22,7 @@ from .checkpoint import (
     Finding,
     error,
     layer_type_of,
+    object_at,
     warning,
 )
 
@@ -57,7 +59,8 @@ def check_weights(ckpt: DraftCheckpoint, scan_values: bool) -> list[Finding]:
             *found,
             error(
                 "config",
-                f"the config does not build a P-EAGLE draft ({type(exc).__name__}: {exc}).",
+                f"the config does not build a P-EAGLE draft ({type(exc).__name__}: "
+                f"{first_line(exc)}).",
                 "Save the checkpoint with speculators' PEagleSpeculatorConfig.",
             ),
         ]
@@ -77,7 +80,7 @@ def _as_exported(config: dict, shapes: dict) -> dict:
         config["draft_vocab_size"] = shapes["lm_head.weight"][0]
     if config["transformer_layer_config"].get("model_type") is None:
         config["transformer_layer_config"]["model_type"] = layer_type_of(shapes)
-    verifier = (config.get("speculators_config") or {}).get("verifier")
+    verifier = object_at(config, "speculators_config").get("verifier")
     if isinstance(verifier, dict):
         verifier.setdefault("name_or_path", None)
     return config

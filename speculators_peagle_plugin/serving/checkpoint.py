@@ -8,7 +8,6 @@ type, head dim) and the target's location live here, once.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Literal
 
 import torch
 from safetensors import safe_open
+
+from ..common.reading import load_safetensors, read_json, safetensors_problem
 
 PREFIX = "model."  # a prefix vLLM adds itself; saved names must not carry it
 VERIFIER_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")  # training-only weights
@@ -75,23 +76,20 @@ class DraftCheckpoint:
             raise ValueError(
                 f"{str(path)!r} has no config.json; pass a speculators-format checkpoint directory."
             )
-        try:
-            config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{str(config_file)!r} is not valid JSON ({exc}).") from exc
-        ckpt = cls(path, config, sorted(path.glob("*.safetensors")))
+        ckpt = cls(path, read_json(config_file), sorted(path.glob("*.safetensors")))
         for file in ckpt.files:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    ckpt.shapes[name] = tuple(f.get_slice(name).get_shape())
-                    ckpt.file_of[name] = file
+            try:
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        ckpt.shapes[name] = tuple(f.get_slice(name).get_shape())
+                        ckpt.file_of[name] = file
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise safetensors_problem(file, exc) from None
         return ckpt
 
     def tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         for file in self.files:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    yield name, f.get_tensor(name)
+            yield from load_safetensors(file).items()
 
 
 def resolve_target(ckpt: DraftCheckpoint, target_dir: str | Path | None) -> Path | None:
@@ -103,11 +101,17 @@ def resolve_target(ckpt: DraftCheckpoint, target_dir: str | Path | None) -> Path
                 f"target {str(target)!r} is not a local model directory (no config.json)."
             )
         return target
-    verifier = (ckpt.config.get("speculators_config") or {}).get("verifier") or {}
-    name = verifier.get("name_or_path")
+    verifier = object_at(ckpt.config, "speculators_config").get("verifier")
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
     if name and (Path(name) / "config.json").is_file():
         return Path(name)
     return None
+
+
+def object_at(config: dict, key: str) -> dict:
+    """``config[key]`` when it is a JSON object, else an empty one (missing, null, a list)."""
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def target_config(target_dir: Path):

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..common.files import atomic_directory
+from ..common.reading import read_json
 from .check import run_rules
 from .checkpoint import (
     DEFAULT_AUX_LAYERS,
@@ -31,6 +32,7 @@ from .checkpoint import (
     declared_k,
     default_device,
     layer_type_of,
+    object_at,
     resolve_target,
 )
 
@@ -107,7 +109,8 @@ def _fix_config(config, tensors, target, mask_token_id, num_speculative_tokens) 
         _fix_fc_norm(config, layer)
         _fix_aux_count(config, layer)
     _fix_draft_vocab(config, tensors)
-    spec = config.setdefault("speculators_config", {})
+    # A null (or non-object) block gets the keys vLLM needs, as a missing one does.
+    spec = config["speculators_config"] = object_at(config, "speculators_config")
     _fix_speculative_tokens(config, spec, num_speculative_tokens)
     _fix_verifier(spec, target)
     _fix_mask_token_id(config, mask_token_id)
@@ -137,18 +140,21 @@ def _fix_draft_vocab(config: dict, tensors: dict) -> None:
 def _fix_speculative_tokens(config: dict, spec: dict, num_speculative_tokens) -> None:
     if declared_k(config) is not None or num_speculative_tokens is None:
         return
-    methods = spec.setdefault("proposal_methods", [{}])
-    if not methods:
-        methods.append({})
+    methods = spec.get("proposal_methods")
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        methods = spec["proposal_methods"] = [{}]
     methods[0].setdefault("proposal_type", "greedy")
     methods[0]["speculative_tokens"] = int(num_speculative_tokens)
     spec.setdefault("default_proposal_method", "greedy")
 
 
 def _fix_verifier(spec: dict, target: Path | None) -> None:
-    verifier = spec.setdefault("verifier", {})
+    spec.setdefault("algorithm", "peagle")  # the check's first rule passed on the model type
+    verifier = spec["verifier"] = object_at(spec, "verifier")
     if "name_or_path" not in verifier:
         verifier["name_or_path"] = None if target is None else str(target)
+    if "architectures" not in verifier and target is not None:
+        verifier["architectures"] = read_json(target / "config.json").get("architectures") or []
 
 
 def _fix_mask_token_id(config: dict, mask_token_id: int | None) -> None:

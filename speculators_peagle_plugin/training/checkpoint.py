@@ -7,8 +7,10 @@ A checkpoint holds the draft in speculators format (``save_pretrained``: ``confi
 
 from __future__ import annotations
 
-import pickle
+import errno
+import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.files import atomic_directory
+from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
 from .config import TrainConfig
 from .distributed import World, sharded
 
@@ -24,10 +27,14 @@ STATE_FILE = "training_state.pt"
 # Fields that may change between a run and its resumption; any other change is refused.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "resume", "no_resume_from_checkpoint", "log_freq",
-     "checkpoint_freq", "device", "keep_checkpoints"}
+     "checkpoint_freq", "device", "keep_checkpoints", "save_path"}
 )  # fmt: skip
+# Compared after resolving: the same directory, however it is spelled, is no change.
+PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path"})
 # The draft's keys inside the wrapped StepModule's state dict.
 _DRAFT_PREFIX = "trainer_module.draft."
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_dirs(save_path: Path) -> list[Path]:
@@ -65,6 +72,17 @@ def _optim_state(wrapped, optimizer, config: TrainConfig, world: World):
     return optimizer.state_dict()
 
 
+def _nbytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict: what writing it needs on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
 def save_checkpoint(
     save_path: Path,
     step: int,
@@ -78,90 +96,121 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically (complete, or not there); keep the newest few.
 
-    Every rank takes part in gathering a sharded state; rank 0 writes.
+    Every rank takes part in gathering a sharded state; rank 0 writes. A write that fails
+    for lack of space leaves nothing behind and raises ``ValueError`` saying what it needed.
     """
     model_state = _model_state(wrapped, draft, config, world)
     optim_state = _optim_state(wrapped, optimizer, config, world)
     final = save_path / f"{CHECKPOINT_PREFIX}{step}"
     if world.rank == 0:
-        with atomic_directory(final) as tmp:
-            draft.save_pretrained(tmp, state_dict=model_state)
-            state = {
-                "step": step,
-                "optimizer": optim_state,
-                "scheduler": scheduler.state_dict(),
-                "config": config.to_dict(),
-                "torch_rng": torch.get_rng_state(),
-            }
-            torch.save(state, tmp / STATE_FILE)
+        try:
+            with atomic_directory(final) as tmp:
+                draft.save_pretrained(tmp, state_dict=model_state)
+                state = {
+                    "step": step,
+                    "optimizer": optim_state,
+                    "scheduler": scheduler.state_dict(),
+                    "config": config.to_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                }
+                torch.save(state, tmp / STATE_FILE)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            need = _nbytes(model_state) + _nbytes(optim_state)
+            free = shutil.disk_usage(save_path).free
+            raise ValueError(
+                f"Writing {final} failed, no space left on the device: a checkpoint needs about "
+                f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; free some space "
+                "or choose another --save-path, then run the same command again to resume."
+            ) from None
         for old in checkpoint_dirs(save_path)[: -config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
 
 
-def _resume_source(config: TrainConfig, save_path: Path) -> Path | None:
+@dataclass
+class ResumePoint:
+    """A checkpoint read completely (training state and weights) before anything is built."""
+
+    path: Path
+    state: dict
+    weights: dict
+
+
+def read_checkpoint(path: Path) -> ResumePoint:
+    """Both files of a checkpoint; :class:`UnreadableFile` names the one that fails."""
+    state = load_plain_torch(path / STATE_FILE, "a training state")
+    if not isinstance(state, dict) or not {"step", "config", "optimizer"} <= state.keys():
+        raise UnreadableFile(path / STATE_FILE, "lacks the step, config or optimizer state.")
+    return ResumePoint(path, state, load_safetensors(path / "model.safetensors"))
+
+
+def _resume_point(config: TrainConfig, save_path: Path) -> ResumePoint | None:
     if config.resume:
         path = Path(config.resume)
         if not (path / STATE_FILE).exists():
             raise ValueError(f"--resume {path} is not a checkpoint (no {STATE_FILE} in it).")
-        return path
+        return read_checkpoint(path)
     if config.no_resume_from_checkpoint:
         return None
-    found = checkpoint_dirs(save_path)
-    return found[-1] if found else None
-
-
-def resume_source(config: TrainConfig, save_path: Path, world: World) -> Path | None:
-    """The checkpoint to resume from, or None: rank 0 picks it, the others agree."""
-    source = _resume_source(config, save_path) if world.rank == 0 else None
-    if world.distributed:
-        holder = [str(source) if source else ""]
-        dist.broadcast_object_list(holder, src=0)
-        source = Path(holder[0]) if holder[0] else None
-    return source
-
-
-def load_training_state(path: Path) -> dict:
-    """Read ``training_state.pt`` without running code from it.
-
-    ``weights_only=True`` restricts unpickling to tensors and plain containers, so a
-    crafted file (a pickle whose ``__reduce__`` calls a program) is refused, not run.
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    damaged = []
+    for path in reversed(checkpoint_dirs(save_path)):
+        try:
+            return read_checkpoint(path)
+        except UnreadableFile as exc:
+            logger.warning("not resuming from %s: %s", path.name, exc)
+            damaged.append(exc)
+    if damaged:  # starting over would silently replace them: the user decides
         raise ValueError(
-            f"{path} is not a training state this program wrote (only tensors and plain "
-            f"containers are read from it): {first}"
-        ) from None
+            f"No checkpoint in {save_path} loads (newest: {damaged[0]}); remove the damaged "
+            "checkpoints, or pass --no-resume-from-checkpoint to start over."
+        )
+    return None
 
 
-def _jsonable(value):
+def resume_point(config: TrainConfig, save_path: Path, world: World) -> ResumePoint | None:
+    """The checkpoint to resume from, read, or None: rank 0 picks it, the others read it.
+
+    ``--resume DIR`` must load; otherwise the newest checkpoint in ``save_path`` that loads
+    (a damaged one is skipped with a warning). Its settings are checked against ``config``.
+    """
+    point = _resume_point(config, save_path) if world.rank == 0 else None
+    if world.distributed:
+        holder = [str(point.path) if point else ""]
+        dist.broadcast_object_list(holder, src=0)
+        if world.rank != 0 and holder[0]:
+            point = read_checkpoint(Path(holder[0]))
+    if point is not None:
+        _check_resumable(point, config)
+    return point
+
+
+def _comparable(name: str, value):
+    if name in PATH_FIELDS and value:
+        return str(Path(value).resolve())
     return list(value) if isinstance(value, tuple) else value
 
 
-def load_checkpoint(path: Path, wrapped, draft, optimizer, scheduler, config, world) -> int:
-    """Restore weights, optimizer, scheduler and RNG from ``path``; returns its step.
-
-    Refuses (``ValueError``) a checkpoint trained with settings outside
-    ``RESUMABLE_CHANGES`` that differ from ``config``.
-    """
-    from safetensors.torch import load_file
-
-    state = load_training_state(path / STATE_FILE)
+def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
     changed = sorted(
         k
-        for k, v in state["config"].items()
-        if k not in RESUMABLE_CHANGES and _jsonable(getattr(config, k, None)) != _jsonable(v)
+        for k, v in point.state["config"].items()
+        if k not in RESUMABLE_CHANGES
+        and _comparable(k, getattr(config, k, None)) != _comparable(k, v)
     )
     if changed:
         raise ValueError(
-            f"Cannot resume from {path}: it was trained with different {', '.join(changed)}; "
-            "use the same settings, or --no-resume-from-checkpoint / a new --save-path."
+            f"Cannot resume from {point.path}: it was trained with different "
+            f"{', '.join(changed)}; to resume, run with the settings it was trained with "
+            "(to start over instead, use a new --save-path)."
         )
-    weights = load_file(path / "model.safetensors")
+
+
+def load_checkpoint(point: ResumePoint, wrapped, draft, optimizer, scheduler, config, world) -> int:
+    """Restore weights, optimizer, scheduler and RNG from ``point``; returns its step."""
+    state, weights = point.state, point.weights
     if sharded(config, world):
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,

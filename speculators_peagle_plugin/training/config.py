@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import get_args, get_origin, get_type_hints
 
 from ..common.flags import flag_field as _opt
+from ..common.reading import read_yaml_mapping
 from ..core.config import CODConfig, _fail, check_int_at_least
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
 
@@ -167,8 +168,21 @@ class TrainConfig:
             _fail("hard_label_weight", self.hard_label_weight, "a number in [0, 1]")
         if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
             _fail("tv_weight", self.tv_weight, "a finite number >= 0")
-        if not self.lr > 0 or self.weight_decay < 0 or self.checkpoint_freq <= 0:
-            raise ValueError("lr and checkpoint_freq must be > 0 and weight_decay >= 0.")
+        for name, low, off in (
+            ("lr", 0.0, ""), ("checkpoint_freq", 0.0, ""),
+            ("max_grad_norm", 0.0, " (or none: no clipping)"),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > low):
+                _fail(name, value, f"a finite number > {low:g}{off}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            _fail("weight_decay", self.weight_decay, "a finite number >= 0")
+        warmup = self.scheduler_warmup_steps
+        if warmup is not None and self.max_steps is not None and warmup > self.max_steps:
+            raise ValueError(
+                f"scheduler_warmup_steps {warmup} is more than max_steps {self.max_steps}: the "
+                "learning rate would never reach lr; use at most max_steps warmup steps."
+            )
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here
 
     @property
@@ -191,12 +205,7 @@ class TrainConfig:
         """
         values: dict = {}
         if yaml_path is not None:
-            import yaml
-
-            with open(yaml_path) as fh:
-                loaded = yaml.safe_load(fh) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{yaml_path} must hold a mapping of option: value.")
+            loaded = read_yaml_mapping(yaml_path)
             known = {f.name for f in fields(cls)}
             for key in loaded:
                 if key.replace("-", "_") not in known:

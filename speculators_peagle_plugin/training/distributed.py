@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..common.devices import checked_device
 from .config import TrainConfig
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (0 outside torchrun), before any group exists."""
+    return int(os.environ.get("RANK", "0"))
 
 
 @dataclass(frozen=True)
@@ -29,14 +35,13 @@ class World:
     def from_env(cls, device: str) -> World:
         """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; each rank takes its local GPU."""
         size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        dev = torch.device(device)
+        dev = checked_device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dev.index or 0)))
             torch.cuda.set_device(dev)
         if size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-        return cls(rank, size, dev)
+        return cls(env_rank(), size, dev)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.distributed:

@@ -29,20 +29,22 @@ import torch
 from torch import nn
 
 from ..common.files import remove_stale_temporaries
+from ..common.lock import exclusive_directory
 from .algorithm import load_algorithm
-from .checkpoint import load_checkpoint, resume_source, save_checkpoint
+from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
 from .config import TrainConfig
-from .distributed import StepModule, World, wrap
+from .distributed import StepModule, World, env_rank, wrap
 from .progress import (
     METRICS_FILE,
     StopFlag,
     TrainingInterrupted,
     append_record,
+    check_finite,
     format_postfix,
     reduce_record,
     trim_metrics_log,
 )
-from .step import to_device, train_step
+from .step import gradient_norm, to_device, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class TrainingSetup:
     total_steps: int
     mask_token_id: int
     mask_token_reason: str
+    resume: ResumePoint | None = None
 
 
 def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
@@ -90,6 +93,11 @@ def _scheduler(optimizer, config: TrainConfig, total_steps: int):
     warmup = config.scheduler_warmup_steps
     if warmup is None:
         warmup = total_steps // 100  # speculators' default: 1% of the steps
+    if warmup > total_steps:
+        raise ValueError(
+            f"scheduler_warmup_steps {warmup} is more than the run's {total_steps} steps: the "
+            "learning rate would never reach lr; use at most that many warmup steps."
+        )
     if config.scheduler_type == "linear":
         return get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
     if config.scheduler_type == "cosine":
@@ -127,26 +135,42 @@ def _verifier_config(config: TrainConfig):
 
 
 def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, ...]:
-    """The flag's, else the data's, else the default; they must match the data's aux count."""
+    """The flag's, else the data's, else the default; they must be the data's own layers.
+
+    Data made by ``generate-data`` records its layer ids and the run must use those values;
+    other data (speculators' own) records only their count, which is all that is checked.
+    """
     from ..data import default_target_layer_ids
 
-    layer_ids = (
-        config.target_layer_ids
-        or data.target_layer_ids
-        or default_target_layer_ids(verifier_config.num_hidden_layers)
-    )
+    recorded = data.target_layer_ids
+    default = default_target_layer_ids(verifier_config.num_hidden_layers)
+    layer_ids = config.target_layer_ids or recorded or default
+    if recorded is not None and tuple(layer_ids) != tuple(recorded):
+        raise ValueError(
+            f"--target-layer-ids {list(layer_ids)} differ from the layers {list(recorded)} the "
+            f"data at {config.data_path} was made with; pass {','.join(map(str, recorded))} "
+            "or leave the flag out."
+        )
     if len(layer_ids) != data.num_aux_layers:
         raise ValueError(
             f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
             f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
         )
+    if recorded is None:
+        logger.info(
+            "%s does not record which target layers its aux hidden states come from; "
+            "training as layers %s (only their count, %d, could be checked)",
+            config.data_path, list(layer_ids), data.num_aux_layers,
+        )  # fmt: skip
     return layer_ids
 
 
-def build_training(config: TrainConfig) -> TrainingSetup:
+def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
-    Raises ``ValueError`` (one sentence) on bad input before anything is written.
+    Raises ``ValueError`` (one sentence) on bad input before anything is written. The cheap
+    checks (device, verifier, mask token, the data's layout and layer ids, the checkpoint to
+    resume from in ``save_path``) run before the scan of every hidden-state file.
     """
     from ..data import PackedBatches, open_training_data
 
@@ -155,22 +179,23 @@ def build_training(config: TrainConfig) -> TrainingSetup:
         _bound_onednn_cache()
     algorithm = load_algorithm(config.algorithm)
     verifier_config = _verifier_config(config)
-    data = open_training_data(
-        config.data_path,
-        draft_vocab_size=config.draft_vocab_size,
-        verifier_hidden_size=verifier_config.hidden_size,
-        num_aux_layers=len(config.target_layer_ids) if config.target_layer_ids else None,
-    )
-    data.validate(progress=world.rank == 0)
     vocab = verifier_config.vocab_size
     if config.draft_vocab_size > vocab:
         raise ValueError(
             f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
             f"({vocab})."
         )
-    d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
     mask_token_id, reason = _resolve_mask_token(config, vocab)
+    data = open_training_data(
+        config.data_path,
+        draft_vocab_size=config.draft_vocab_size,
+        verifier_hidden_size=verifier_config.hidden_size,
+        num_aux_layers=len(config.target_layer_ids) if config.target_layer_ids else None,
+    )
     layer_ids = _target_layer_ids(config, data, verifier_config)
+    resume = None if save_path is None else resume_point(config, save_path, world)
+    data.validate(progress=world.rank == 0)
+    d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
 
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)
@@ -205,39 +230,47 @@ def build_training(config: TrainConfig) -> TrainingSetup:
         total = min(total, config.max_steps)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizer, _scheduler(optimizer, config, total),
-        batches, total, mask_token_id, reason,
+        batches, total, mask_token_id, reason, resume,
     )  # fmt: skip
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
     """Train a draft; returns the final checkpoint directory.
 
-    Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM arrives.
+    Rank 0 holds ``save_path``'s lock for the whole run: a second run on the same path is
+    refused at once. Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM
+    arrives, and ``ValueError`` when the loss or gradient norm stops being finite.
     """
+    save_path = Path(config.save_path)
+    with exclusive_directory(save_path, "training run", hold=env_rank() == 0):
+        return _train(config, save_path, progress)
+
+
+def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     from tqdm import tqdm
 
-    setup = build_training(config)
-    world, draft, module = setup.world, setup.draft, setup.module
-    save_path = Path(config.save_path)
-    if world.rank == 0:
-        save_path.mkdir(parents=True, exist_ok=True)
+    if env_rank() == 0:
         remove_stale_temporaries(save_path)  # what a killed run's atomic writes left
+    setup = build_training(config, save_path)
+    world, draft, module = setup.world, setup.draft, setup.module
+    if world.rank == 0:
         logger.info("mask_token_id %d: %s", setup.mask_token_id, setup.mask_token_reason)
-    source = resume_source(config, save_path, world)
     start = 0
-    if source is not None:
+    saved = None
+    if setup.resume is not None:
         start = load_checkpoint(
-            source, setup.wrapped, draft, setup.optimizer, setup.scheduler, config, world
+            setup.resume, setup.wrapped, draft, setup.optimizer, setup.scheduler, config, world
         )
+        saved, setup.resume = setup.resume.path, None  # the loaded tensors are not kept
         if world.rank == 0:
-            logger.info("resumed from %s at step %d", source, start)
+            logger.info("resumed from %s at step %d", saved, start)
     metrics_path = save_path / METRICS_FILE
     if world.rank == 0:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
     every = max(1, math.floor(config.checkpoint_freq * steps_per_epoch))
     dtype = getattr(torch, config.hidden_states_dtype)
-    saved = source
+    trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
     bar = tqdm(
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,
         desc=f"train {config.algorithm}", unit="step", dynamic_ncols=True,
@@ -250,19 +283,17 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
             batch = to_device(setup.batches.batch(epoch, index), world.device, dtype)
             setup.optimizer.zero_grad(set_to_none=True)
             stats = train_step(setup.wrapped, module, batch, config, world, step)
-            if config.max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(
-                    [p for p in setup.wrapped.parameters() if p.requires_grad],
-                    config.max_grad_norm,
-                )
-            setup.optimizer.step()
-            setup.scheduler.step()
+            grad_norm = gradient_norm(trainable, config.max_grad_norm)
             tokens = float((batch["document_ids"] >= 0).sum())
             record = reduce_record(stats, tokens, stop.signum, world)
+            check_finite(record["loss"], grad_norm, step + 1, saved)
+            setup.optimizer.step()
+            setup.scheduler.step()
             now = time.perf_counter()
             record.update(
                 step=step + 1, epoch=epoch, lr=setup.scheduler.get_last_lr()[0],
-                tokens_per_s=record["tokens"] / (now - began), wall_s=now - run_began,
+                grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
+                wall_s=now - run_began,
             )  # fmt: skip
             stop_now = record.pop("stop")
             bar.update(1)

@@ -6,6 +6,7 @@ Shapes (see :mod:`speculators_peagle_plugin.core`): ``K`` depths.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -48,6 +49,26 @@ class StopFlag:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def check_finite(loss: float, grad_norm: float, step: int, last_saved: Path | None) -> None:
+    """Stop (``ValueError``) before the optimizer applies a non-finite loss or gradient.
+
+    Every rank sees the same all-reduced loss and the same gradient norm, so all stop together,
+    and the non-finite state is never saved: the newest checkpoint stays the last finite one.
+    """
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = f"the gradient norm is {grad_norm}"
+    if not math.isfinite(loss):
+        what = f"the loss is {loss}"
+    kept = "no checkpoint was saved"
+    if last_saved:
+        kept = f"the newest checkpoint is still {last_saved}"
+    raise ValueError(
+        f"Training diverged at step {step}: {what}, so it stopped before applying it ({kept}); "
+        "lower --lr or keep --max-grad-norm on."
+    )
 
 
 def reduce_record(stats: dict, tokens: float, signum: int, world: World) -> dict:
@@ -97,9 +118,17 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def trim_metrics_log(path: Path, after_step: int) -> None:
-    """Drop lines a killed run logged past the checkpoint it resumes from."""
+    """Drop lines a killed run logged past the checkpoint it resumes from, and a line it
+    was killed while writing (one that does not parse)."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["step"] <= after_step]
+    kept = [ln for ln in path.read_text().splitlines() if _logged_step(ln) <= after_step]
     atomic_write_text(path, "".join(ln + "\n" for ln in kept))
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line that is not a step record counts as never logged."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf

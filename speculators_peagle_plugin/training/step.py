@@ -82,3 +82,19 @@ def train_step(
             stats["correct"] += metrics.correct.detach().double().cpu()
             stats["valid"] += metrics.valid.detach().double().cpu()
     return stats
+
+
+def gradient_norm(parameters: list[nn.Parameter], max_norm: float | None) -> float:
+    """The gradients' total 2-norm, after clipping them to ``max_norm`` (None: no clipping).
+
+    Under FSDP2 the norm of sharded gradients comes back as a DTensor: its full value is
+    the same on every rank, so every rank takes the same decision on it.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if max_norm is None:
+        norm = nn.utils.get_total_norm(grads)
+    else:
+        norm = nn.utils.clip_grad_norm_(parameters, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
