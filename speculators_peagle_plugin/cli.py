@@ -290,7 +290,7 @@ def build_eval_config(flags: dict):
         if f.metadata.get("negate"):
             value = False
         elif f.metadata.get("ints"):
-            value = _ints(value, f.metadata["flag"])
+            value = _ints(value, f.metadata.get("flag", "--" + f.name.replace("_", "-")))
         values[f.name] = value
     return EvalConfig(**values)
 

@@ -35,7 +35,7 @@ EXTRA = {  # the flags each README command gets here
     "check": [],
     "serve": ["--port", "{port}", "--max-model-len", "512", "--dtype", "float32",
               "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
-    "eval": ["--max-new-tokens", "16", "--batch-size", "4", "--kv-cache-gb", "1",
+    "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
              "--in-process", "--out", "{tmp}/eval"],  # fmt: skip
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
