@@ -172,7 +172,8 @@ def _demo_inputs(demo_dir: Path) -> dict:
         "config": config["train_config"],
         "steps_demo": config["max_steps"],
         "eval_max_new_tokens": config["eval_max_new_tokens"],
-        "eval_batch_size": config["eval_batch_size"],
+        # acceptance only: the demo's largest concurrency decodes its whole held-out sets
+        "eval_concurrency": max(config["eval_concurrency"]),
         "kv_cache_gb": config["kv_cache_gb"],
         # the dtype the target wrote the data in is the one the drafts are served with
         # (a data stage that records no dtype was written in float32)
@@ -215,7 +216,7 @@ def _evaluate(demo: dict, spec: dict, results: dict, prompts: list[str], eval_di
            "--draft", results["ours"]["draft"], "--draft", results["theirs"]["draft"],
            "-k", str(demo["k"]), "--no-baseline",
            "--max-new-tokens", str(demo["eval_max_new_tokens"]),
-           "--batch-size", str(demo["eval_batch_size"]),
+           "--concurrency", str(demo["eval_concurrency"]),
            "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
            "--out", str(eval_dir)]  # fmt: skip
     for p in prompts:

@@ -46,6 +46,7 @@ EXTRA = {  # the flags each README command gets here
 SUBSTITUTE = {
     '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
     "--prompts chat": "--prompts chat[:2]",
+    "--prompts mt_bench": "--prompts mt_bench[:2]",
     "-k 2,4,8": "-k 2,8",
     "--nproc_per_node 8": "--nproc_per_node 2",
     "--draft-vocab-size 32000": "--draft-vocab-size 128",
@@ -221,8 +222,12 @@ def test_eval_command_measures_acceptance(trained):
     record = json.loads((root / "eval" / "record.json").read_text())
     drafted = [r for r in record["runs"] if r["label"] == "checkpoint-1000"]
     assert sorted({(r["prompt_set"], r["k"]) for r in drafted}) == [
-        ("chat[:2]", 2), ("chat[:2]", 8), ("humaneval[120:122]", 2), ("humaneval[120:122]", 8),
+        ("humaneval[120:122]", 2), ("humaneval[120:122]", 8), ("mt_bench[:2]", 2),
+        ("mt_bench[:2]", 8),
     ]  # fmt: skip
+    assert {r["concurrency"] for r in drafted} == {4}
+    assert all(set(r["per_category"]) == {"writing"} for r in drafted)
+    assert record["recommendation"]
     assert all(1.0 <= r["acceptance_length"] <= r["k"] + 1 for r in drafted)
     assert (root / "eval" / "acceptance.png").stat().st_size > 0
 
