@@ -298,7 +298,7 @@ def build_eval_config(flags: dict):
 @main.command("eval")
 @eval_config_options
 def eval_command(**flags) -> None:
-    """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
+    """Acceptance, speed and the K to serve per concurrency, in vLLM's parallel drafting."""
     from .evaluation.harness import evaluate
 
     try:

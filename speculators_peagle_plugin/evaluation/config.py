@@ -56,7 +56,7 @@ class EvalConfig:
         backend: ``vllm`` (the real engine, out of process) or ``reference``.
         baseline: also run without a draft (tokens/s for the speedup).
         ignore_eos: decode exactly ``max_new_tokens`` tokens.
-        dtype: model dtype; output_dir: where record.json / acceptance.png go.
+        dtype: model dtype; output_dir: where record.json and the PNG figures go.
         seed: the engine's seed.
         kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = ``CPU_KV_CACHE_GB``
             on CPU, vLLM's default on GPU (:meth:`resolved_kv_cache_gb`).
@@ -72,7 +72,8 @@ class EvalConfig:
     )
     prompt_sets: tuple[str, ...] = _opt(
         ("humaneval",),
-        "humaneval, chat or a .jsonl, optionally sliced: humaneval[120:164] (repeatable).",
+        "humaneval, mt_bench, chat or a .jsonl, optionally sliced: humaneval[120:164] "
+        "(repeatable).",
         flag="--prompts",
         multiple=True,
         show="humaneval",

