@@ -7,8 +7,8 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
                per prompt) + hidden states
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
-    drafts     RUN/trained-draft (the final checkpoint's weights) and RUN/untrained-draft (the
-               same draft at step 0, same seed): the eval's two drafts
+    drafts     RUN/trained-draft (the final checkpoint's weights, what eval serves) and
+               RUN/untrained-draft (the same draft at step 0, same seed, to compare against)
     check      speculators-peagle check RUN/trained-draft: vLLM can serve it in parallel drafting
     eval       speculators-peagle eval: held-out HumanEval[120:164] + chat[100:] + MT-Bench
                in vLLM, the trained draft against no draft at every K x concurrency of the
