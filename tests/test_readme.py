@@ -36,7 +36,7 @@ EXTRA = {  # the flags each README command gets here
     "check": [],
     "serve": ["--port", "{port}", "--max-model-len", "512", "--dtype", "float32",
               "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
-    "eval": ["--max-new-tokens", "16", "--batch-size", "4", "--kv-cache-gb", "1",
+    "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
              "--in-process", "--out", "{tmp}/eval"],  # fmt: skip
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
@@ -48,6 +48,7 @@ EXTRA = {  # the flags each README command gets here
 SUBSTITUTE = {
     '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
     "--prompts chat": "--prompts chat[:2]",
+    "--prompts mt_bench": "--prompts mt_bench[:2]",
     "-k 2,4,8": "-k 2,8",
     "--nproc_per_node 8": "--nproc_per_node 2",
     "--draft-vocab-size 32000": "--draft-vocab-size 128",
@@ -223,8 +224,15 @@ def test_eval_command_measures_acceptance(trained):
     record = json.loads((root / "eval" / "record.json").read_text())
     drafted = [r for r in record["runs"] if r["label"] == "checkpoint-1000"]
     assert sorted({(r["prompt_set"], r["k"]) for r in drafted}) == [
-        ("chat[:2]", 2), ("chat[:2]", 8), ("humaneval[120:122]", 2), ("humaneval[120:122]", 8),
+        ("humaneval[120:122]", 2), ("humaneval[120:122]", 8), ("mt_bench[:2]", 2),
+        ("mt_bench[:2]", 8),
     ]  # fmt: skip
+    assert {r["concurrency"] for r in drafted} == {4}
+    for r in drafted:  # MT-Bench's first two questions are writing ones
+        assert r["per_category"] is None if r["prompt_set"] != "mt_bench[:2]" else (
+            r["per_category"]["writing"]["acceptance_length"] == r["acceptance_length"]
+        )
+    assert record["recommendation"]
     assert all(1.0 <= r["acceptance_length"] <= r["k"] + 1 for r in drafted)
     assert (root / "eval" / "acceptance.png").stat().st_size > 0
 
@@ -258,7 +266,10 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
         "target", "prompts", "data", "train", "drafts", "check", "eval"
     ]  # fmt: skip
     record = json.loads(Path(summary["record"]).read_text())
-    assert {r["label"] for r in record["runs"]} == {"trained-draft", "untrained-draft", "no draft"}
+    assert {r["label"] for r in record["runs"]} == {"trained-draft", "no draft"}
+    assert {(r["k"], r["concurrency"]) for r in record["runs"]} == {(0, 1), (0, 2), (2, 1), (2, 2)}
+    assert {r["concurrency"] for r in summary["recommendation"]} == {1, 2}
+    assert "recommendation" in out and all(Path(p).is_file() for p in summary["plots"])
     assert f"run directory: {run_dir.resolve()}" in out
     assert (run_dir / "trained-draft" / "model.safetensors").is_file()
 

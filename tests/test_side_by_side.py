@@ -120,7 +120,7 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
                        "outputs": {"path": "runs/demo/data"}}}  # fmt: skip
     (demo / "stages.json").write_text(json.dumps(stages))
     config = {"train_config": "configs/demo.yaml", "max_steps": None, "max_new_tokens": 16,
-              "eval_max_new_tokens": 8, "eval_batch_size": 2, "kv_cache_gb": 1,
+              "eval_max_new_tokens": 8, "eval_concurrency": [1, 2], "kv_cache_gb": 1,
               "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}  # fmt: skip
     (demo / "demo.json").write_text(json.dumps({"config": config}))
     (tmp_path / "elsewhere" / "runs" / "demo" / "data").mkdir(parents=True)  # a decoy

@@ -15,6 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+# the training run's step records, in its save path beside its checkpoint-<step> folders
+# (written by training, plotted by evaluation)
+METRICS_FILE = "metrics.jsonl"
 
 
 def temporary_name(path: Path) -> Path:

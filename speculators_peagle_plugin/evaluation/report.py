@@ -23,8 +23,10 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..common.files import atomic_write, atomic_write_text
+from ..common.files import atomic_write_text
 from ..serving.counters import SpecDecodeCounters
+from .plots import write_plots
+from .recommend import format_recommendation, recommend
 
 __all__ = [
     "checkpoint_hash",
@@ -32,7 +34,6 @@ __all__ = [
     "finish_record",
     "format_table",
     "hash_files",
-    "plot",
     "provenance",
     "start_record",
     "summarize",
@@ -45,7 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def summarize(result: dict) -> dict:
-    """Acceptance length, per-position rates and tokens/s of one run's raw result."""
+    """Acceptance length, per-position rates, tokens/s and time per output token (mean, p50,
+    p90 over requests, from vLLM's per-request timing) of one run's raw result."""
     counters = result.get("counters")
     out = {
         "output_tokens": result["output_tokens"],
@@ -53,6 +55,7 @@ def summarize(result: dict) -> dict:
         "tokens_per_s": result["output_tokens"] / result["wall_s"] if result["wall_s"] else None,
         "acceptance_length": None,
         "per_position": None,
+        "tpot_s": _spread(result.get("time_per_output_token_s")),
     }
     if counters is not None:
         parsed = SpecDecodeCounters(**counters)
@@ -61,21 +64,39 @@ def summarize(result: dict) -> dict:
     return out
 
 
+def _spread(values: Sequence[float | None] | None) -> dict | None:
+    """``{"mean", "p50", "p90"}`` of the known values (None when there are none)."""
+    known = sorted(v for v in values or () if v is not None)
+    if not known:
+        return None
+
+    def pct(q: float) -> float:  # linear interpolation, as numpy's default percentile
+        x = q * (len(known) - 1)
+        lo = math.floor(x)
+        hi = min(lo + 1, len(known) - 1)
+        return known[lo] + (known[hi] - known[lo]) * (x - lo)
+
+    return {"mean": sum(known) / len(known), "p50": pct(0.5), "p90": pct(0.9)}
+
+
 def format_table(runs: Sequence[dict]) -> str:
-    """A plain-text table of the runs (one row per prompt set x draft x K)."""
-    head = ["prompts", "draft", "K", "accept len", "per position", "drafts", "tok/s", "speedup"]
+    """A plain-text table of the runs (one row per prompt set x draft x K x concurrency)."""
+    head = ["prompts", "draft", "K", "c", "accept len", "per position", "drafts", "tok/s",
+            "TPOT ms mean/p50/p90", "speedup"]  # fmt: skip
     rows = [head]
     for r in runs:
-        per_pos = r["per_position"]
+        per_pos, tpot = r["per_position"], r.get("tpot_s")
         rows.append(
             [
                 r["prompt_set"],
                 r["label"],
                 str(r["k"]) if r["k"] else "-",
+                str(r.get("concurrency", "-")),
                 f"{r['acceptance_length']:.3f}" if r["acceptance_length"] is not None else "-",
                 " / ".join(f"{p:.2f}" for p in per_pos) if per_pos else "-",
                 str(r["counters"]["num_drafts"]) if r["counters"] else "-",
                 f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-",
+                "/".join(f"{tpot[q] * 1e3:.1f}" for q in ("mean", "p50", "p90")) if tpot else "-",
                 f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
             ]
         )
@@ -86,14 +107,15 @@ def format_table(runs: Sequence[dict]) -> str:
 
 
 def compare_with_baseline(runs: list[dict]) -> None:
-    """Speedup and output agreement of every drafted run against its prompt set's baseline.
+    """Speedup and output agreement of every drafted run against the baseline of its prompt
+    set at the same concurrency (and dtype: one record has one).
 
     Greedy speculative decoding is lossless, so the drafted outputs should equal the
     baseline's (``same_as_baseline`` = fraction of identical outputs).
     """
-    base = {r["prompt_set"]: r for r in runs if not r["k"]}
+    base = {(r["prompt_set"], r.get("concurrency")): r for r in runs if not r["k"]}
     for r in runs:
-        b = base.get(r["prompt_set"])
+        b = base.get((r["prompt_set"], r.get("concurrency")))
         r["speedup"] = None
         r["same_as_baseline"] = None
         if b is None or not r["k"]:
@@ -221,69 +243,15 @@ def start_record(config, argv, checks: dict[str, list[dict]], tokenizer, prompt_
 
 
 def finish_record(record: dict, runs: list[dict], out_dir: Path, echo) -> None:
-    """Add the runs (in prompt-set order) to ``record``; write record.json and the plot."""
+    """Add the runs (in prompt-set order) and the recommendation to ``record``; write
+    record.json and the plots; print the table, the recommendation and the files."""
     order = [p["name"] for p in record["prompt_sets"]]
     record["runs"] = sorted(runs, key=lambda r: order.index(r["prompt_set"]))  # drafts, K kept
     compare_with_baseline(record["runs"])
+    record["recommendation"] = recommend(record["runs"])
     atomic_write_text(out_dir / "record.json", json.dumps(record, indent=1) + "\n")
-    plot(record["runs"], out_dir / "acceptance.png")
+    figures = write_plots(record, out_dir)
     echo(format_table(record["runs"]))
-    echo(f"record: {out_dir / 'record.json'}  plot: {out_dir / 'acceptance.png'}")
-
-
-# -------------------------------------------------------------------------- plot
-
-
-def plot(runs: Sequence[dict], path: Path) -> None:
-    """Per-position acceptance (bars, largest K); with a sweep, acceptance length and
-    speedup against K."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    drafted = [r for r in runs if r["k"]]
-    if not drafted:
-        return
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in drafted:
-        groups.setdefault((r["label"], r["prompt_set"]), []).append(r)
-    sweep = any(len(g) > 1 for g in groups.values())
-    speedups = any(r.get("speedup") for r in drafted)
-    n_axes = 1 + (1 + speedups if sweep else 0)
-    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, 4.2), squeeze=False)
-    ax = axes[0][0]
-    width = 0.8 / len(groups)
-    for j, ((label, prompts), group) in enumerate(groups.items()):
-        top = max(group, key=lambda r: r["k"])
-        xs = [i + 1 + (j - (len(groups) - 1) / 2) * width for i in range(top["k"])]
-        ax.bar(xs, top["per_position"], width, label=f"{label} · {prompts} (K={top['k']})")
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05))
-    ax.set_xticks(range(1, max(r["k"] for r in drafted) + 1))
-    ax.set_title("per-position acceptance")
-    ax.legend(fontsize=7)
-    if sweep:
-        ax_len = axes[0][1]
-        for (label, prompts), group in groups.items():
-            group = sorted(group, key=lambda r: r["k"])
-            ks = [r["k"] for r in group]
-            ax_len.plot(
-                ks, [r["acceptance_length"] for r in group], "o-", label=f"{label} · {prompts}"
-            )
-            if speedups:
-                axes[0][2].plot(ks, [r.get("speedup") or math.nan for r in group], "o-",
-                                label=f"{label} · {prompts}")  # fmt: skip
-        all_ks = sorted({r["k"] for r in drafted})
-        ax_len.plot(all_ks, [k + 1 for k in all_ks], "k:", label="every draft accepted")
-        ax_len.set(xlabel="K", ylabel="mean acceptance length", title="acceptance length vs K")
-        ax_len.set_xticks(all_ks)
-        ax_len.set_ylim(bottom=1.0)
-        ax_len.legend(fontsize=7)
-        if speedups:
-            axes[0][2].axhline(1.0, color="k", ls=":")
-            axes[0][2].set(xlabel="K", ylabel="tokens/s vs no draft", title="speedup vs K")
-            axes[0][2].set_xticks(all_ks)
-            axes[0][2].legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    plt.close(fig)
+    if record["recommendation"]:
+        echo(format_recommendation(record["recommendation"]))
+    echo(f"record: {out_dir / 'record.json'}  plots: " + ", ".join(str(f) for f in figures))

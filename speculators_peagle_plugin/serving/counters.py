@@ -10,7 +10,7 @@ can import it beside vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 # vLLM metric name -> counter field; the per-position counter is a vector metric.
@@ -55,6 +55,25 @@ class SpecDecodeCounters:
                 per_pos = counters.accepted_per_pos
                 per_pos = [a + b for a, b in zip(per_pos + [0] * len(values), values, strict=False)]
                 counters.accepted_per_pos = per_pos + values[len(per_pos) :]
+        return counters
+
+    @classmethod
+    def from_histograms(cls, histograms: Iterable[Sequence[int]]) -> SpecDecodeCounters:
+        """The counters of requests whose vLLM per-request metrics give ``histogram[j]`` =
+        verify steps that accepted ``j`` of the K drafted tokens (``len = K + 1``).
+
+        Example: K = 2, histograms [[1, 0, 1]] -> 2 drafts, 2 accepted, per position [1, 1].
+        """
+        counters = cls()
+        for hist in histograms:
+            k = len(hist) - 1
+            counters.num_drafts += sum(hist)
+            counters.num_draft_tokens += k * sum(hist)
+            counters.num_accepted_tokens += sum(j * n for j, n in enumerate(hist))
+            per_pos = [sum(hist[i + 1 :]) for i in range(k)]  # accepted i+1 or more
+            old = counters.accepted_per_pos + [0] * (k - len(counters.accepted_per_pos))
+            per_pos += [0] * (len(old) - k)
+            counters.accepted_per_pos = [a + b for a, b in zip(old, per_pos, strict=True)]
         return counters
 
     def __sub__(self, before: SpecDecodeCounters) -> SpecDecodeCounters:

@@ -26,7 +26,9 @@ class VllmJob:
         target: local target directory.
         prompts: token ids per request, chat template already applied.
         max_tokens: new tokens per request.
-        batch_size: requests in flight (the engine's ``max_num_seqs``).
+        batch_size: requests in flight (:func:`~.inflight.drive` keeps exactly that many).
+        max_num_seqs: the engine's ``max_num_seqs`` (None: ``batch_size``); a sweep builds
+            one engine with the largest concurrency and runs every concurrency on it.
         draft: P-EAGLE checkpoint directory, or ``None`` for the no-draft baseline.
         num_speculative_tokens: K (with a draft).
         ignore_eos: decode exactly ``max_tokens`` tokens.
@@ -50,6 +52,7 @@ class VllmJob:
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    max_num_seqs: int | None = None
     enforce_eager: bool = True
     temperature: float = 0.0
     top_p: float = 1.0

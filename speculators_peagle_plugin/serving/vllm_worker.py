@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-    "enforce_eager", "speculative_overrides", "batch_size", "prefix_caching",
+    "enforce_eager", "speculative_overrides", "max_num_seqs", "prefix_caching",
 )  # fmt: skip
 
 
@@ -57,7 +57,9 @@ class Worker:
 
     def engine(self, job: VllmJob):
         """The engine for ``job``, reusing the current one when its settings match."""
-        key = json.dumps({k: getattr(job, k) for k in ENGINE_KEYS}, sort_keys=True)
+        max_num_seqs = job.max_num_seqs or job.batch_size
+        settings = {k: getattr(job, k) for k in ENGINE_KEYS} | {"max_num_seqs": max_num_seqs}
+        key = json.dumps(settings, sort_keys=True)
         if key == self.key:
             return self.llm
         self.shutdown()
@@ -72,6 +74,8 @@ class Worker:
                 "parallel_drafting": True,
                 **job.speculative_overrides,
             }
+            # each request's histogram of accepted drafts: acceptance per prompt category
+            kwargs["per_request_spec_decode_metrics"] = "summary"
         start = time.perf_counter()
         llm = LLM(
             model=job.target,
@@ -79,7 +83,7 @@ class Worker:
             max_model_len=job.max_model_len,
             seed=job.seed,
             enforce_eager=job.enforce_eager,
-            max_num_seqs=job.batch_size,
+            max_num_seqs=max_num_seqs,
             enable_prefix_caching=job.prefix_caching,
             disable_log_stats=False,
             **({"distributed_executor_backend": "uni"} if _in_process() else {}),
@@ -109,6 +113,8 @@ class Worker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from speculators_peagle_plugin.serving.inflight import drive
+
         llm = self.engine(job)
         engine = llm.llm_engine
         params = SamplingParams(
@@ -121,37 +127,55 @@ class Worker:
         first = _counters(llm) if has_draft else None
         self.serial += 1
         ids = [f"{self.serial}-{i}" for i in range(len(job.prompts))]
+        requests = [
+            (request_id, TokensPrompt(prompt_token_ids=list(prompt)))
+            for request_id, prompt in zip(ids, job.prompts, strict=True)
+        ]
         outputs: dict[str, list[int]] = {}
+        tpot: dict[str, float | None] = {}
+        histograms: dict[str, list[int] | None] = {}
         start = time.perf_counter()
-        # The engine's scheduler keeps max_num_seqs = batch_size requests running.
-        for request_id, prompt in zip(ids, job.prompts, strict=True):
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-                self.emit(
-                    {
-                        "event": "progress",
-                        "done": len(outputs),
-                        "total": len(ids),
-                        "output_tokens": sum(map(len, outputs.values())),
-                        "wall_s": time.perf_counter() - start,
-                        "counters": (_counters(llm) - first).to_dict() if has_draft else None,
-                    }
-                )
+
+        def on_finished(out) -> None:
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+            tpot[out.request_id] = _time_per_output_token(out.metrics)
+            spec = out.outputs[0].spec_decode_metrics
+            histograms[out.request_id] = None if spec is None else list(spec.histogram)
+            self.emit(
+                {
+                    "event": "progress",
+                    "done": len(outputs),
+                    "total": len(ids),
+                    "output_tokens": sum(map(len, outputs.values())),
+                    "wall_s": time.perf_counter() - start,
+                    "counters": (_counters(llm) - first).to_dict() if has_draft else None,
+                }
+            )
+
+        drive(engine, requests, params, job.batch_size, on_finished)
         wall = time.perf_counter() - start
         ordered = [outputs[i] for i in ids]
         return {
             "event": "result",
             "backend": "vllm",
             "num_speculative_tokens": job.num_speculative_tokens if has_draft else 0,
+            "concurrency": job.batch_size,
             "counters": (_counters(llm) - first).to_dict() if has_draft else None,
             "output_tokens": sum(map(len, ordered)),
             "wall_s": wall,
+            "time_per_output_token_s": [tpot[i] for i in ids],
+            "accepted_histograms": [histograms[i] for i in ids] if has_draft else None,
             "outputs": ordered,
         }
+
+
+def _time_per_output_token(stats) -> float | None:
+    """vLLM's own per-request time per output token: decode time over the tokens after the
+    first (``RequestStateStats``, engine-core timestamps), as its
+    ``request_time_per_output_token`` histogram computes it; None without two tokens."""
+    if stats is None or stats.num_generation_tokens < 2:
+        return None
+    return (stats.last_token_ts - stats.first_token_ts) / (stats.num_generation_tokens - 1)
 
 
 def _counters(llm):

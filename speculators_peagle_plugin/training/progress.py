@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..common.files import METRICS_FILE as METRICS_FILE  # the loop and tests read it here
 from ..common.files import atomic_write_text
 from .distributed import World
 from .metrics import acceptance_length, depth_accuracy, pooled_accuracy
-
-METRICS_FILE = "metrics.jsonl"
 
 
 class TrainingInterrupted(Exception):

