@@ -7,6 +7,7 @@ every file is written under a temporary name and renamed (``common.files``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
 from .capture import write_hidden_states
+from .capture_vllm import write_hidden_states_vllm
 from .config import (
     HIDDEN_STATES_DIR,
     RESPONSES_DIR,
@@ -25,11 +27,14 @@ from .config import (
 from .dataset import TrainingData, open_training_data
 from .generation import Target, generate_responses
 from .prompts import load_prompts, resolved_spec
+from .storage import check_free_space, storage_estimate
+
+logger = logging.getLogger(__name__)
 
 # generate-data refuses to resume into a directory made with other values of these.
 _IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
-    "temperature", "top_p", "seed", "dtype", "backend", "num_samples",
+    "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
 )  # fmt: skip
 
 
@@ -126,6 +131,11 @@ def generate_data(config: DataGenConfig) -> TrainingData:
     resuming = _check_output(output, settings)
     prompts = load_prompts(config.prompts, config.max_samples)
     target = Target(config)
+    estimate = storage_estimate(
+        config, settings, target.tokenizer, prompts, output / HIDDEN_STATES_DIR
+    )
+    logger.info(estimate.summary())
+    check_free_space(output, estimate)
     if not resuming:
         output.mkdir(parents=True, exist_ok=True)
         atomic_write_json(output / SETTINGS_FILE, settings)
@@ -136,7 +146,21 @@ def generate_data(config: DataGenConfig) -> TrainingData:
         _write_dataset(rows, output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
     layer_ids = tuple(settings["target_layer_ids"])
-    write_hidden_states(target.model, output, layer_ids)
+    _write_hidden_states(config, target, output, layer_ids, settings)
     data = open_training_data(output, num_aux_layers=len(layer_ids))
     data.vocab_mapping(config.draft_vocab_size)
     return data
+
+
+def _write_hidden_states(config: DataGenConfig, target, output: Path, layer_ids, settings) -> None:
+    """From vLLM when asked and it can; from transformers otherwise."""
+    if config.capture_backend == "vllm":
+        try:
+            write_hidden_states_vllm(config, output, layer_ids, settings)
+            return
+        except RuntimeError as err:
+            logger.warning(
+                "vLLM could not capture the hidden states (%s); capturing them with "
+                "transformers instead.", str(err).splitlines()[0][:500],
+            )  # fmt: skip
+    write_hidden_states(target.model, output, layer_ids, config.storage_dtype)

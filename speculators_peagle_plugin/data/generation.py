@@ -62,7 +62,10 @@ class Target:
 
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.
-        with VllmWorker(log_path, in_process=True, kv_cache_gb=self.config.kv_cache_gb) as worker:
+        in_process = self.config.tensor_parallel_size == 1  # several ranks need processes
+        with VllmWorker(
+            log_path, in_process=in_process, kv_cache_gb=self.config.kv_cache_gb
+        ) as worker:
             self.vllm = worker
             try:
                 yield
@@ -85,6 +88,7 @@ class Target:
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                 seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
+                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
             )  # fmt: skip
             outputs = self.vllm.run(job)["outputs"]
             return [completion_tokens(out, self.eos_ids) for out in outputs]

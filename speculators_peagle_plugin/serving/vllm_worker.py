@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-    "enforce_eager", "speculative_overrides", "batch_size", "prefix_caching",
+    "enforce_eager", "speculative_overrides", "batch_size", "prefix_caching", "engine_overrides",
 )  # fmt: skip
 
 
@@ -84,6 +84,7 @@ class Worker:
             disable_log_stats=False,
             **({"distributed_executor_backend": "uni"} if _in_process() else {}),
             **kwargs,
+            **job.engine_overrides,
         )
         spec = llm.llm_engine.vllm_config.speculative_config
         facts = {
@@ -141,6 +142,8 @@ class Worker:
                         "counters": (_counters(llm) - first).to_dict() if has_draft else None,
                     }
                 )
+        if job.engine_overrides.get("kv_transfer_config"):
+            _flush_kv_connector(engine)
         wall = time.perf_counter() - start
         ordered = [outputs[i] for i in ids]
         return {
@@ -159,6 +162,16 @@ def _counters(llm):
     from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
 
     return SpecDecodeCounters.from_metrics(llm.get_metrics())
+
+
+def _flush_kv_connector(engine, steps: int = 2) -> None:
+    """Let a KV connector finish the requests that are done decoding.
+
+    A connector sees a finished request one engine step later (``get_finished``), so the
+    last requests' transfers (e.g. hidden-state files) need steps after the last output.
+    """
+    for _ in range(steps):
+        engine.step()
 
 
 def _in_process() -> bool:
