@@ -118,7 +118,7 @@ class DataGenConfig:
         "What computes the hidden states (vllm falls back to transformers where it cannot, "
         "and logs why).",
         choices=BACKENDS,
-        show="--backend",
+        show="as --backend",
     )
     hidden_states_dtype: str = _opt(
         "target",
