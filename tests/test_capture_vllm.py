@@ -21,7 +21,7 @@ from tiny_vllm import LAYER_IDS, PROMPTS
 from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import capture_hidden_states, open_training_data
+from speculators_peagle_plugin.data import build, capture_hidden_states, open_training_data
 from speculators_peagle_plugin.data.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
 from speculators_peagle_plugin.data.config import SETTINGS_FILE
 
@@ -44,9 +44,15 @@ def generated(tmp_path_factory, target):
     # Two identical prompts: identical rows share one vLLM file.
     rows = [{"prompt": p} for p in [*PROMPTS[:5], PROMPTS[0]]]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    result = CliRunner().invoke(main, vllm_gen_args(target, prompts, root / "data"))
+    with pytest.MonkeyPatch.context() as patch:  # vLLM must capture: no fallback
+        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        result = CliRunner().invoke(main, vllm_gen_args(target, prompts, root / "data"))
     assert result.exit_code == 0, result.output
     return root / "data"
+
+
+def no_transformers_capture(*args):
+    raise AssertionError("the transformers capture ran: vLLM did not capture the states")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,9 @@ def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_p
     (data / SETTINGS_FILE).write_text(json.dumps(settings))
     args = vllm_gen_args(settings["target"], "unused", data, "--hidden-states-dtype", "float8")
     args[args.index("--prompts") + 1] = settings["prompts"]
-    result = CliRunner().invoke(main, args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     training = open_training_data(data, num_aux_layers=len(LAYER_IDS))
     dataset = load_from_disk(str(data))

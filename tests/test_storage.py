@@ -70,15 +70,16 @@ def test_bytes_per_token_and_token_bound_by_hand():
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_chat_target(tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
 def prompts_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text('{"prompt": "hello world"}\n{"prompt": "the quick brown fox"}\n')
     return path
+
+
+# test_data's tiny chat target, a module of its own here
+target_dir = pytest.fixture(scope="module", name="target_dir")(
+    lambda tmp_path_factory: tiny_chat_target(tmp_path_factory.mktemp("target"))
+)
 
 
 @pytest.fixture(scope="module")

@@ -146,14 +146,10 @@ def write_hidden_states(
 
     Returns the number of files written.
     """
-    from datasets import load_from_disk
     from tqdm import tqdm
 
-    dataset = load_from_disk(str(output)).with_format(None)
-    hs_dir = output / HIDDEN_STATES_DIR
-    hs_dir.mkdir(exist_ok=True)
-    shape_tail = (len(layer_ids) + 1, model.config.get_text_config().hidden_size)
-    todo = rows_to_capture(dataset, hs_dir, shape_tail)
+    hidden_size = model.config.get_text_config().hidden_size
+    dataset, hs_dir, todo = pending_rows(output, (len(layer_ids) + 1, hidden_size))
     start, tokens = time.perf_counter(), 0
     states_of = _PrefixStates(model, layer_ids)
     with tqdm(
@@ -171,9 +167,24 @@ def write_hidden_states(
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     if todo:
-        elapsed = time.perf_counter() - start
-        logger.info(
-            "Captured hidden states of %d samples (%d tokens) in %.1f s (%.1f tokens/s).",
-            len(todo), tokens, elapsed, tokens / elapsed,
-        )  # fmt: skip
+        log_capture(len(todo), tokens, start, "transformers")
     return len(todo)
+
+
+def pending_rows(output: Path, shape_tail: tuple[int, int]):
+    """``(dataset, hidden_states_dir, rows)``: the rows of ``output``'s dataset that lack a
+    valid ``hs_<i>.safetensors`` of ``[seq, *shape_tail]``."""
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(output)).with_format(None)
+    hs_dir = output / HIDDEN_STATES_DIR
+    hs_dir.mkdir(exist_ok=True)
+    return dataset, hs_dir, rows_to_capture(dataset, hs_dir, shape_tail)
+
+
+def log_capture(samples: int, tokens: int, start: float, source: str) -> None:
+    elapsed = time.perf_counter() - start
+    logger.info(
+        "Captured hidden states of %d samples (%d tokens) with %s in %.1f s (%.1f tokens/s).",
+        samples, tokens, source, elapsed, tokens / elapsed,
+    )  # fmt: skip

@@ -12,18 +12,15 @@ by their token ids (identical rows get identical states) and renamed to ``hs_<i>
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
 from ..common.files import atomic_write
-from .capture import rows_to_capture
-from .config import HIDDEN_STATES_DIR, VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
+from .capture import log_capture, pending_rows
+from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
 from .vllm_connector import STORAGE_DTYPE_KEY
-
-logger = logging.getLogger(__name__)
 
 STAGING_DIR = ".vllm-capture"  # under hidden_states/: the connector's files before renaming
 CAPTURE_LOG_FILE = "vllm-capture.log"
@@ -89,16 +86,12 @@ def write_hidden_states_vllm(
     Raises ``RuntimeError`` when vLLM cannot run the capture (the caller falls back).
     Returns the number of files written.
     """
-    from datasets import load_from_disk
     from tqdm import tqdm
 
     from ..serving.vllm_client import VllmJob, VllmWorker
 
-    dataset = load_from_disk(str(output)).with_format(None)
-    hs_dir = output / HIDDEN_STATES_DIR
-    hs_dir.mkdir(exist_ok=True)
     shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
-    todo = rows_to_capture(dataset, hs_dir, shape_tail)
+    dataset, hs_dir, todo = pending_rows(output, shape_tail)
     if not todo:
         return 0
     staging = hs_dir / STAGING_DIR
@@ -131,9 +124,5 @@ def write_hidden_states_vllm(
             tokens += sum(map(len, rows.values()))
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
-    elapsed = time.perf_counter() - start
-    logger.info(
-        "Captured hidden states of %d samples (%d tokens) with vLLM in %.1f s (%.1f tokens/s).",
-        len(todo), tokens, elapsed, tokens / elapsed,
-    )  # fmt: skip
+    log_capture(len(todo), tokens, start, "vLLM")
     return len(todo)

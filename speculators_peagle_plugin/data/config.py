@@ -6,9 +6,12 @@ On-disk layout (speculators' format), one directory ``DIR``:
                                                      target reply: input_ids, loss_mask, seq_len
     DIR/hidden_states/hs_<i>.safetensors             {"hidden_states": [seq, n_aux+1, H],
                                                       "token_ids": [seq]} for dataset row i
+                                                     (+ "hidden_states_scales" [seq, 1, 1] with
+                                                     float8 storage: data/storage.py)
     DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
     DIR/generation_settings.json                     what generate-data was run with (this plugin)
     DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
+    DIR/vllm-capture.log                             what vLLM printed capturing hidden states
 
 Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
 ``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
