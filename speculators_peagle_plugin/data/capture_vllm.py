@@ -77,6 +77,16 @@ def _place(staging: Path, hs_dir: Path, rows: dict[int, list[int]]) -> None:
         raise RuntimeError(f"vLLM wrote no hidden states for dataset rows {missing[:10]}.")
 
 
+def _advance(bar, before: int):
+    """The worker's progress events move ``bar`` per finished request of a shard."""
+
+    def on_event(message: dict) -> None:
+        if message["event"] == "progress":
+            bar.update(before + message["done"] - bar.n)
+
+    return on_event
+
+
 def write_hidden_states_vllm(
     config: DataGenConfig, output: Path, layer_ids: tuple[int, ...], settings: dict
 ) -> int:
@@ -118,11 +128,12 @@ def write_hidden_states_vllm(
                 max_tokens=1, batch_size=config.batch_size, dtype=config.dtype,
                 seed=config.seed, engine_overrides=overrides,
             )  # fmt: skip
-            worker.run(job)
+            before = bar.n
+            worker.run(job, on_event=_advance(bar, before))
             _place(staging, hs_dir, rows)
             shutil.rmtree(staging, ignore_errors=True)
             tokens += sum(map(len, rows.values()))
-            bar.update(len(rows))
+            bar.update(before + len(rows) - bar.n)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     log_capture(len(todo), tokens, start, "vLLM")
     return len(todo)
