@@ -1,8 +1,10 @@
 """Training data: prompt sets, generate-data (replies + hidden states), reading and packing.
 
 Modules: ``prompts`` (prompt sets, chat rendering), ``config`` (on-disk layout,
-``DataGenConfig``), ``generation`` (the target's replies), ``capture`` (hidden states),
-``build`` (``generate_data``), ``dataset`` (opening and checking data), ``packing``.
+``DataGenConfig``), ``generation`` (the target's replies), ``capture`` (hidden states with
+transformers), ``capture_vllm`` + ``vllm_connector`` (with vLLM), ``storage`` (disk estimate,
+the 8-bit format), ``build`` (``generate_data``), ``dataset`` (opening and checking data),
+``packing``.
 """
 
 from .build import generate_data

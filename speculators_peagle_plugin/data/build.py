@@ -6,6 +6,7 @@ every file is written under a temporary name and renamed (``common.files``).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import asdict
@@ -15,6 +16,7 @@ from ..common.files import atomic_write, atomic_write_json, remove_stale_tempora
 from ..common.lock import LOCK_FILE, exclusive_directory
 from ..common.reading import read_json
 from .capture import write_hidden_states
+from .capture_vllm import write_hidden_states_vllm
 from .config import (
     HIDDEN_STATES_DIR,
     RESPONSES_DIR,
@@ -26,11 +28,14 @@ from .config import (
 from .dataset import TrainingData, open_training_data
 from .generation import Target, generate_responses
 from .prompts import load_prompts, resolved_spec
+from .storage import check_free_space, storage_estimate
+
+logger = logging.getLogger(__name__)
 
 # generate-data refuses to resume into a directory made with other values of these.
 _IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
-    "temperature", "top_p", "seed", "dtype", "backend", "num_samples",
+    "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
 )  # fmt: skip
 
 
@@ -134,6 +139,11 @@ def _generate(config: DataGenConfig, output: Path, settings: dict) -> TrainingDa
     resuming = _check_output(output, settings)
     prompts = load_prompts(config.prompts, config.max_samples)
     target = Target(config)
+    estimate = storage_estimate(
+        config, settings, target.tokenizer, prompts, output / HIDDEN_STATES_DIR
+    )
+    logger.info(estimate.summary())
+    check_free_space(output, estimate)
     if not resuming:
         atomic_write_json(output / SETTINGS_FILE, settings)
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
@@ -143,7 +153,21 @@ def _generate(config: DataGenConfig, output: Path, settings: dict) -> TrainingDa
         _write_dataset(rows, output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
     layer_ids = tuple(settings["target_layer_ids"])
-    write_hidden_states(target.model, output, layer_ids)
+    _write_hidden_states(config, target, output, layer_ids, settings)
     data = open_training_data(output, num_aux_layers=len(layer_ids))
     data.vocab_mapping(config.draft_vocab_size)
     return data
+
+
+def _write_hidden_states(config: DataGenConfig, target, output: Path, layer_ids, settings) -> None:
+    """From vLLM when asked and it can; from transformers otherwise."""
+    if config.capture_backend == "vllm":
+        try:
+            write_hidden_states_vllm(config, output, layer_ids, settings)
+            return
+        except RuntimeError as err:
+            logger.warning(
+                "vLLM could not capture the hidden states (%s); capturing them with "
+                "transformers instead.", str(err).splitlines()[0][:500],
+            )  # fmt: skip
+    write_hidden_states(target.model, output, layer_ids, config.storage_dtype)

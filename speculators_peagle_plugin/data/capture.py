@@ -16,6 +16,7 @@ import torch
 from ..common.files import atomic_write
 from ..model.target import FinalNormInput
 from .config import HIDDEN_STATES_DIR, hs_path
+from .storage import stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +114,14 @@ def _hs_file_problem(path: Path, input_ids: list[int], shape_tail: tuple[int, in
     return None
 
 
-def _save_safetensors(tensors: dict, path: Path) -> None:
+def save_safetensors(tensors: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path))
     path.chmod(0o644)  # safetensors creates 0600 files; data directories are often shared
 
 
-def _rows_to_capture(dataset, hs_dir: Path, shape_tail: tuple[int, int]) -> list[int]:
+def rows_to_capture(dataset, hs_dir: Path, shape_tail: tuple[int, int]) -> list[int]:
     """Dataset rows without a valid ``hs_<i>.safetensors`` (a bad file is logged)."""
     from speculators.data_generation.offline import get_existing_hidden_state_indices
 
@@ -136,20 +137,19 @@ def _rows_to_capture(dataset, hs_dir: Path, shape_tail: tuple[int, int]) -> list
     return todo
 
 
-def write_hidden_states(model, output: Path, layer_ids: tuple[int, ...]) -> int:
+def write_hidden_states(
+    model, output: Path, layer_ids: tuple[int, ...], storage_dtype: str | None = None
+) -> int:
     """Hidden states of each dataset row of ``output`` without a valid ``hs_<i>.safetensors``
-    (rows that start alike share their prefix's forward: :class:`_PrefixStates`).
+    (rows that start alike share their prefix's forward: :class:`_PrefixStates`), stored as
+    computed or in the 8-bit format (``storage_dtype`` ``"float8"``, :mod:`.storage`).
 
     Returns the number of files written.
     """
-    from datasets import load_from_disk
     from tqdm import tqdm
 
-    dataset = load_from_disk(str(output)).with_format(None)
-    hs_dir = output / HIDDEN_STATES_DIR
-    hs_dir.mkdir(exist_ok=True)
-    shape_tail = (len(layer_ids) + 1, model.config.get_text_config().hidden_size)
-    todo = _rows_to_capture(dataset, hs_dir, shape_tail)
+    hidden_size = model.config.get_text_config().hidden_size
+    dataset, hs_dir, todo = pending_rows(output, (len(layer_ids) + 1, hidden_size))
     start, tokens = time.perf_counter(), 0
     states_of = _PrefixStates(model, layer_ids)
     with tqdm(
@@ -161,15 +161,30 @@ def write_hidden_states(model, output: Path, layer_ids: tuple[int, ...]) -> int:
             row, following = following, next(rows, None)  # the next row: a shared prefix?
             states = states_of(row, following)
             ids = torch.tensor(row, dtype=torch.long)
-            tensors = {"hidden_states": states.cpu().contiguous(), "token_ids": ids}
-            atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: _save_safetensors(t, tmp))
+            tensors = stored_tensors(states.cpu(), ids, storage_dtype)
+            atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: save_safetensors(t, tmp))
             tokens += len(ids)
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     if todo:
-        elapsed = time.perf_counter() - start
-        logger.info(
-            "Captured hidden states of %d samples (%d tokens) in %.1f s (%.1f tokens/s).",
-            len(todo), tokens, elapsed, tokens / elapsed,
-        )  # fmt: skip
+        log_capture(len(todo), tokens, start, "transformers")
     return len(todo)
+
+
+def pending_rows(output: Path, shape_tail: tuple[int, int]):
+    """``(dataset, hidden_states_dir, rows)``: the rows of ``output``'s dataset that lack a
+    valid ``hs_<i>.safetensors`` of ``[seq, *shape_tail]``."""
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(output)).with_format(None)
+    hs_dir = output / HIDDEN_STATES_DIR
+    hs_dir.mkdir(exist_ok=True)
+    return dataset, hs_dir, rows_to_capture(dataset, hs_dir, shape_tail)
+
+
+def log_capture(samples: int, tokens: int, start: float, source: str) -> None:
+    elapsed = time.perf_counter() - start
+    logger.info(
+        "Captured hidden states of %d samples (%d tokens) with %s in %.1f s (%.1f tokens/s).",
+        samples, tokens, source, elapsed, tokens / elapsed,
+    )  # fmt: skip

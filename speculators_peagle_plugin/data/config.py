@@ -6,9 +6,12 @@ On-disk layout (speculators' format), one directory ``DIR``:
                                                      target reply: input_ids, loss_mask, seq_len
     DIR/hidden_states/hs_<i>.safetensors             {"hidden_states": [seq, n_aux+1, H],
                                                       "token_ids": [seq]} for dataset row i
+                                                     (+ "hidden_states_scales" [seq, 1, 1] with
+                                                     float8 storage: data/storage.py)
     DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
     DIR/generation_settings.json                     what generate-data was run with (this plugin)
     DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
+    DIR/vllm-capture.log                             what vLLM printed capturing hidden states
 
 Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
 ``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
@@ -36,6 +39,7 @@ RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation
 TOKEN_FREQ_FILE = "token_freq.pt"
 VLLM_LOG_FILE = "vllm.log"
 BACKENDS = ("transformers", "vllm")
+STORAGE_DTYPES = ("target", "float8")  # float8: hs_connectors' 8-bit format (data/storage.py)
 # vLLM keeps batch_size requests in flight over a whole resume shard (continuous batching), so
 # a shard of several batches wastes less time on the tail of its longest replies.
 VLLM_BATCHES_PER_SHARD = 4
@@ -76,10 +80,16 @@ class DataGenConfig:
         num_samples: replies per prompt (> 1 needs ``temperature`` > 0): each is its own row.
         backend: what generates the replies. ``transformers`` (``generate``, batched);
             ``vllm``: vLLM in a child process, faster on CPU (continuous batching, paged KV
-            cache). Hidden states always come from transformers (rows sharing a prompt share
-            its forward). vLLM samples from its engine seed (its CPU sampler has no
+            cache). vLLM samples from its engine seed (its CPU sampler has no
             per-request seed), so a resumed sampled run draws new replies for the shards it
             had not finished.
+        hidden_states_from: what computes the hidden states: ``vllm`` (a prefill of each row
+            through vLLM's ``extract_hidden_states`` method; where vLLM cannot, the
+            transformers pass runs instead and the log says why) or ``transformers`` (one
+            forward per row, rows sharing a prompt share its forward). None = the backend.
+        hidden_states_dtype: ``target`` stores them in ``dtype``; ``float8`` in hs_connectors'
+            8-bit format (float8_e4m3fn, one float32 scale per token), read back dequantized.
+        tensor_parallel_size: vLLM's tensor parallel size (GPUs per engine).
         kv_cache_gb: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = vLLM's default.
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
@@ -104,10 +114,24 @@ class DataGenConfig:
     num_samples: int = _opt(1, "Replies per prompt (> 1 needs --temperature > 0).")
     backend: str = _opt(
         "transformers",
-        "What generates the replies (vllm: continuous batching; hidden states always come "
-        "from transformers).",
+        "What generates the replies (vllm: continuous batching).",
         choices=BACKENDS,
     )
+    hidden_states_from: str | None = _opt(
+        None,
+        "What computes the hidden states (vllm falls back to transformers where it cannot, "
+        "and logs why).",
+        choices=BACKENDS,
+        show="as --backend",
+    )
+    hidden_states_dtype: str = _opt(
+        "target",
+        "Stored hidden states: target = in --dtype; float8 = float8_e4m3fn with a float32 "
+        "scale per token (half of bfloat16's disk; its acceptance cost is measured in "
+        "eval/RESULTS.md).",
+        choices=STORAGE_DTYPES,
+    )
+    tensor_parallel_size: int = _opt(1, "vLLM's tensor parallel size (vllm only).")
     kv_cache_gb: int | None = _opt(None, "vLLM's CPU KV cache in GiB (vllm backend).")
     target_layer_ids: tuple[int, ...] | None = _opt(
         None, "Aux layer ids, e.g. 2,15,27.", ints=True, show="2,N//2,N-3"
@@ -120,13 +144,34 @@ class DataGenConfig:
     )
     device: str = _opt("cpu", "Torch device of the target.")
 
+    @property
+    def capture_backend(self) -> str:
+        """What computes the hidden states."""
+        return self.hidden_states_from or self.backend
+
+    @property
+    def storage_dtype(self) -> str:
+        """The stored hidden states' dtype name (a DTYPES name or ``"float8"``)."""
+        return self.dtype if self.hidden_states_dtype == "target" else self.hidden_states_dtype
+
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "batch_size", "draft_vocab_size", "num_samples"):
+        counts = ("max_new_tokens", "batch_size", "draft_vocab_size", "num_samples")
+        for name in (*counts, "tensor_parallel_size"):
             check_int_at_least(name, getattr(self, name), 1)
         if self.kv_cache_gb is not None:
             check_int_at_least("kv_cache_gb", self.kv_cache_gb, 1)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
+        if self.hidden_states_from not in (None, *BACKENDS):
+            raise ValueError(
+                f"hidden_states_from must be one of {', '.join(BACKENDS)}, "
+                f"got {self.hidden_states_from!r}."
+            )
+        if self.hidden_states_dtype not in STORAGE_DTYPES:
+            raise ValueError(
+                f"hidden_states_dtype must be one of {', '.join(STORAGE_DTYPES)}, "
+                f"got {self.hidden_states_dtype!r}."
+            )
         if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature {self.temperature} is above vLLM's limit; with --backend vllm "

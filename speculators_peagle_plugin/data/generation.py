@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -33,20 +34,28 @@ class Target:
     """The target model and tokenizer, with the two jobs generate-data runs on them."""
 
     def __init__(self, config: DataGenConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.target)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"The tokenizer of --target {config.target} has no chat template.")
-        self.model = AutoModelForCausalLM.from_pretrained(config.target, dtype=DTYPES[config.dtype])
-        self.model.to(config.device).eval()
-        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        self.eos_ids = eos_token_ids(self.tokenizer, _generation_config(config.target))
         if not self.eos_ids:
             raise ValueError(f"--target {config.target} defines no end-of-sequence token.")
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.eos_ids[0] if pad is None else pad
         self.vllm = None  # a running VllmWorker while the vllm backend generates
+
+    @cached_property
+    def model(self):
+        """The transformers model, loaded on first use: a run whose replies and states both
+        come from vLLM never loads it (a target served with tensor parallelism may not fit)."""
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.config
+        model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[cfg.dtype])
+        return model.to(cfg.device).eval()
 
     def prompt_ids(self, turns: list[dict]) -> list[int]:
         return render_conversation(self.tokenizer, turns)
@@ -62,7 +71,10 @@ class Target:
 
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.
-        with VllmWorker(log_path, in_process=True, kv_cache_gb=self.config.kv_cache_gb) as worker:
+        in_process = self.config.tensor_parallel_size == 1  # several ranks need processes
+        with VllmWorker(
+            log_path, in_process=in_process, kv_cache_gb=self.config.kv_cache_gb
+        ) as worker:
             self.vllm = worker
             try:
                 yield
@@ -85,6 +97,7 @@ class Target:
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                 seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
+                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
             )  # fmt: skip
             outputs = self.vllm.run(job)["outputs"]
             return [completion_tokens(out, self.eos_ids) for out in outputs]
@@ -113,6 +126,16 @@ class Target:
 
     def decode_reply(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def _generation_config(target: str):
+    """The target's generation config as ``from_pretrained`` would attach it to the model."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target)
+    except OSError:  # no generation_config.json: transformers derives one from config.json
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(target))
 
 
 def completion_tokens(generated: list[int], eos_ids: list[int]) -> list[int]:

@@ -38,6 +38,8 @@ class VllmJob:
         prefix_caching: off unless asked, so that acceptance does not depend on which
             prompts shared cached blocks with earlier ones.
         speculative_overrides: merged into vLLM's speculative config.
+        engine_overrides: more ``LLM(...)`` arguments (e.g. ``tensor_parallel_size``, or
+            the ``speculative_config`` and ``kv_transfer_config`` of a hidden-state capture).
 
     Consecutive jobs with the same engine settings reuse the worker's engine.
     """
@@ -58,6 +60,7 @@ class VllmJob:
     top_p: float = 1.0
     prefix_caching: bool = False
     speculative_overrides: dict = field(default_factory=dict)
+    engine_overrides: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """The job as the worker's protocol carries it (a JSON object)."""

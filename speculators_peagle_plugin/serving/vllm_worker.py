@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
     "enforce_eager", "speculative_overrides", "max_num_seqs", "prefix_caching",
+    "engine_overrides",
 )  # fmt: skip
 
 
@@ -88,6 +89,7 @@ class Worker:
             disable_log_stats=False,
             **({"distributed_executor_backend": "uni"} if _in_process() else {}),
             **kwargs,
+            **job.engine_overrides,
         )
         spec = llm.llm_engine.vllm_config.speculative_config
         facts = {
@@ -153,6 +155,8 @@ class Worker:
             )
 
         drive(engine, requests, params, job.batch_size, on_finished)
+        if job.engine_overrides.get("kv_transfer_config"):
+            _flush_kv_connector(engine)
         wall = time.perf_counter() - start
         ordered = [outputs[i] for i in ids]
         return {
@@ -183,6 +187,16 @@ def _counters(llm):
     from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
 
     return SpecDecodeCounters.from_metrics(llm.get_metrics())
+
+
+def _flush_kv_connector(engine, steps: int = 2) -> None:
+    """Let a KV connector finish the requests that are done decoding.
+
+    A connector sees a finished request one engine step later (``get_finished``), so the
+    last requests' transfers (e.g. hidden-state files) need steps after the last output.
+    """
+    for _ in range(steps):
+        engine.step()
 
 
 def _in_process() -> bool:

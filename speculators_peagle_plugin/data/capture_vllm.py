@@ -1,0 +1,139 @@
+"""Hidden states from vLLM: a prefill of each dataset row through vLLM's
+``extract_hidden_states`` speculative method, written by :mod:`.vllm_connector`.
+
+vLLM's aux layer id ``L`` is the residual stream after ``L`` decoder layers (the sum its
+decoder layers carry as ``hidden_states + residual``), transformers' ``hidden_states[L]``;
+id ``N`` (the layer count) is the final residual stream before the final norm. So asking
+for ``(*layer_ids, N)`` gives exactly the ``[seq, n_aux+1, H]`` of :mod:`.capture`.
+
+The connector names a file after its request; the files are matched back to dataset rows
+by their token ids (identical rows get identical states) and renamed to ``hs_<i>``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ..common.files import atomic_write
+from .capture import log_capture, pending_rows
+from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
+from .vllm_connector import STORAGE_DTYPE_KEY
+
+STAGING_DIR = ".vllm-capture"  # under hidden_states/: the connector's files before renaming
+CAPTURE_LOG_FILE = "vllm-capture.log"
+
+
+def capture_engine_overrides(
+    config: DataGenConfig, layer_ids: tuple[int, ...], num_layers: int, staging: Path
+) -> dict:
+    """``LLM(...)`` arguments of an engine that writes each request's prompt states."""
+    return {
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,  # the method's only value; it drafts nothing
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}
+            },
+        },
+        "kv_transfer_config": {
+            "kv_connector": "HiddenStatesFileConnector",
+            "kv_connector_module_path": "speculators_peagle_plugin.data.vllm_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": str(staging),
+                # The connector writes synchronously and renames complete files: no lock.
+                "use_synchronization_lock": False,
+                STORAGE_DTYPE_KEY: config.storage_dtype,
+            },
+        },
+    }
+
+
+def _token_ids(path: Path) -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return tuple(fh.get_tensor("token_ids").tolist())
+
+
+def _place(staging: Path, hs_dir: Path, rows: dict[int, list[int]]) -> None:
+    """Rename the connector's files to ``hs_<i>`` of the rows with their token ids."""
+    wanted: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in rows.items():
+        wanted.setdefault(tuple(ids), []).append(i)
+    for path in staging.glob("*.safetensors"):
+        indexes = wanted.pop(_token_ids(path), None)
+        if indexes is None:
+            continue
+        for i in indexes[1:]:
+            atomic_write(hs_path(hs_dir, i), lambda tmp, p=path: shutil.copyfile(p, tmp))
+        os.replace(path, hs_path(hs_dir, indexes[0]))
+    if wanted:
+        missing = sorted(i for indexes in wanted.values() for i in indexes)
+        raise RuntimeError(f"vLLM wrote no hidden states for dataset rows {missing[:10]}.")
+
+
+def _advance(bar, before: int):
+    """The worker's progress events move ``bar`` per finished request of a shard."""
+
+    def on_event(message: dict) -> None:
+        if message["event"] == "progress":
+            bar.update(before + message["done"] - bar.n)
+
+    return on_event
+
+
+def write_hidden_states_vllm(
+    config: DataGenConfig, output: Path, layer_ids: tuple[int, ...], settings: dict
+) -> int:
+    """Hidden states of each row of ``output`` without a valid ``hs_<i>.safetensors``, from
+    a vLLM engine in a child process. Resumable per shard of rows.
+
+    Raises ``RuntimeError`` when vLLM cannot run the capture (the caller falls back).
+    Returns the number of files written.
+    """
+    from tqdm import tqdm
+
+    from ..serving.vllm_client import VllmJob, VllmWorker
+
+    shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
+    dataset, hs_dir, todo = pending_rows(output, shape_tail)
+    if not todo:
+        return 0
+    staging = hs_dir / STAGING_DIR
+    shutil.rmtree(staging, ignore_errors=True)
+    overrides = capture_engine_overrides(
+        config, layer_ids, settings["target_num_layers"], staging.absolute()
+    )
+    shard = config.batch_size * VLLM_BATCHES_PER_SHARD
+    start, tokens = time.perf_counter(), 0
+    with (
+        VllmWorker(
+            output / CAPTURE_LOG_FILE, in_process=config.tensor_parallel_size == 1,
+            kv_cache_gb=config.kv_cache_gb,
+        ) as worker,
+        tqdm(
+            total=len(dataset), initial=len(dataset) - len(todo), unit="sample",
+            desc="Hidden states (vLLM)",
+        ) as bar,
+    ):  # fmt: skip
+        for b in range(0, len(todo), shard):
+            rows = {i: dataset[i]["input_ids"] for i in todo[b : b + shard]}
+            job = VllmJob(
+                target=str(Path(config.target).resolve()), prompts=list(rows.values()),
+                max_tokens=1, batch_size=config.batch_size, dtype=config.dtype,
+                seed=config.seed, engine_overrides=overrides,
+            )  # fmt: skip
+            before = bar.n
+            worker.run(job, on_event=_advance(bar, before))
+            _place(staging, hs_dir, rows)
+            shutil.rmtree(staging, ignore_errors=True)
+            tokens += sum(map(len, rows.values()))
+            bar.update(before + len(rows) - bar.n)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    log_capture(len(todo), tokens, start, "vLLM")
+    return len(todo)

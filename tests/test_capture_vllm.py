@@ -1,0 +1,115 @@
+"""Hidden states from vLLM (``extract_hidden_states``) on the tiny vLLM target: the same
+positions and layer convention as the transformers capture, in both storage formats, and
+the data trains.
+
+Oracle: :func:`capture_hidden_states` (transformers, aux ``hidden_states[L]`` + the final
+norm's input) on each written row. One vLLM generate-data run per module.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from datasets import load_from_disk
+from hs_connectors.fp8_utils import SCALES_KEY
+from safetensors.torch import load_file
+from test_storage import float8_error_bound
+from tiny_vllm import LAYER_IDS, PROMPTS
+from transformers import AutoModelForCausalLM
+
+from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.data import build, capture_hidden_states, open_training_data
+from speculators_peagle_plugin.data.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
+from speculators_peagle_plugin.data.config import SETTINGS_FILE
+
+pytestmark = pytest.mark.slow
+
+
+def vllm_gen_args(target, prompts, output, *extra):
+    return [
+        "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
+        str(output), "--backend", "vllm", "--max-new-tokens", "16", "--batch-size", "4",
+        "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "64",
+        "--kv-cache-gb", "1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("vllm_data")
+    prompts = root / "prompts.jsonl"
+    # Two identical prompts: identical rows share one vLLM file.
+    rows = [{"prompt": p} for p in [*PROMPTS[:5], PROMPTS[0]]]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.MonkeyPatch.context() as patch:  # vLLM must capture: no fallback
+        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        result = CliRunner().invoke(main, vllm_gen_args(target, prompts, root / "data"))
+    assert result.exit_code == 0, result.output
+    return root / "data"
+
+
+def no_transformers_capture(*args):
+    raise AssertionError("the transformers capture ran: vLLM did not capture the states")
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+def test_vllm_states_equal_the_transformers_capture(generated, reference):
+    assert (generated / CAPTURE_LOG_FILE).is_file()
+    assert not (generated / "hidden_states" / STAGING_DIR).exists()
+    dataset = load_from_disk(str(generated))
+    assert len(dataset) == 6
+    for i in range(len(dataset)):
+        ids = torch.as_tensor(dataset[i]["input_ids"])
+        written = load_file(generated / "hidden_states" / f"hs_{i}.safetensors")
+        assert set(written) == {"hidden_states", "token_ids"}
+        assert written["token_ids"].dtype == torch.long and torch.equal(written["token_ids"], ids)
+        expected = capture_hidden_states(reference, ids, LAYER_IDS)
+        assert written["hidden_states"].shape == expected.shape == (len(ids), 4, 128)
+        torch.testing.assert_close(written["hidden_states"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_path):
+    # Same rows, states written again by vLLM in float8 (the replies phase is complete).
+    data = tmp_path / "data"
+    shutil.copytree(generated, data, ignore=shutil.ignore_patterns("hidden_states"))
+    settings = json.loads((data / SETTINGS_FILE).read_text())
+    settings["hidden_states_dtype"] = "float8"
+    (data / SETTINGS_FILE).write_text(json.dumps(settings))
+    args = vllm_gen_args(settings["target"], "unused", data, "--hidden-states-dtype", "float8")
+    args[args.index("--prompts") + 1] = settings["prompts"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    training = open_training_data(data, num_aux_layers=len(LAYER_IDS))
+    dataset = load_from_disk(str(data))
+    for i in range(len(dataset)):
+        raw = load_file(data / "hidden_states" / f"hs_{i}.safetensors")
+        assert raw["hidden_states"].dtype == torch.float8_e4m3fn and SCALES_KEY in raw
+        expected = capture_hidden_states(
+            reference, torch.as_tensor(dataset[i]["input_ids"]), LAYER_IDS
+        )
+        back = training.dataset.transfer.get_cached(i)["hidden_states"]
+        error = (back.double() - expected.double()).abs()
+        assert bool((error <= float8_error_bound(expected) + 1e-5).all())
+
+
+def test_vllm_written_data_trains(generated, target, tmp_path):
+    save = tmp_path / "ckpt"
+    result = CliRunner().invoke(
+        main,
+        [
+            "train", "--verifier-name-or-path", str(target), "--data-path", str(generated),
+            "--save-path", str(save), "--draft-vocab-size", "64", "--num-depths", "3",
+            "--total-seq-len", "128", "--max-steps", "2",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert any(save.rglob("config.json")), os.listdir(save)
