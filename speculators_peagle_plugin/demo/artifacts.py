@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
@@ -21,35 +20,17 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
 class RunLayout:
     """Where each stage writes inside the run directory ``root``."""
 
-    root: Path
-
-    @property
-    def prompts(self) -> Path:
-        return self.root / "train_prompts.jsonl"
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def train(self) -> Path:
-        return self.root / "train"
-
-    @property
-    def trained_draft(self) -> Path:
-        return self.root / "trained-draft"
-
-    @property
-    def untrained_draft(self) -> Path:
-        return self.root / "untrained-draft"
-
-    @property
-    def eval(self) -> Path:
-        return self.root / "eval"
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.prompts = self.root / "train_prompts.jsonl"
+        self.data = self.root / "data"
+        self.train = self.root / "train"
+        self.trained_draft = self.root / "trained-draft"
+        self.untrained_draft = self.root / "untrained-draft"
+        self.eval = self.root / "eval"
 
 
 def has_weights(path: Path) -> bool:
