@@ -185,8 +185,8 @@ def main() -> None:
     from speculators_peagle_plugin.serving.vllm_worker import Worker
 
     _install_timers()
-    args.target = str(Path(args.target).resolve())
-    draft = str(Path(args.draft).resolve())
+    args.target = str(Path(args.target).expanduser().resolve())
+    draft = str(Path(args.draft).expanduser().resolve())
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = render_prompts(tokenizer, load_prompt_set(args.prompts))
     if len(prompts) <= args.warmup:

@@ -44,6 +44,8 @@ EXTRA = {  # the flags each README command gets here
                          "--long-seq-len", "0"],  # fmt: skip
     "side_by_side": ["--steps", "2"],
     "ablate": ["--steps", "1", "--seeds", "0"],
+    "profile_step": ["-k", "2", "--prompts", "humaneval[120:123]", "--warmup", "1",
+                     "--max-new-tokens", "8", "--kv-cache-gb", "1", "--out", "{tmp}/profile"],
 }
 SUBSTITUTE = {
     '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
@@ -298,3 +300,15 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
         recipe = yaml.safe_load((tmp_path / "ablate" / cell["variant"] / "train.yaml").read_text())
         assert recipe.get("hard_label_weight", 0.0) == (0.5 if cell["variant"] == "hard50" else 0)
     assert "| served " + summary["config"]["eval_prompts"][0] in out
+
+    (cmd,) = commands_of(("profile_step",))
+    words = prepared(cmd, tmp_path, "")
+    words[words.index("-m") - 1] = sys.executable
+    words[words.index("--draft") + 1] = str(run_dir / "trained-draft")
+    run(words, REPO, timeout=1200)
+    plain, drafted = json.loads((tmp_path / "profile" / "profile.json").read_text())["rows"]
+    assert plain["k"] is None and plain["tokens_per_step"] == 1.0
+    assert plain["ms_per_step"]["draft forward"] == 0 and plain["ms_per_step"]["target forward"] > 0
+    assert drafted["k"] == 2 and 1.0 <= drafted["tokens_per_step"] <= 3.0
+    assert drafted["ms_per_step"]["draft forward"] > 0
+    assert drafted["ms_per_step"]["rejection sampling"] > 0
