@@ -9,7 +9,9 @@ Usage (after ``make demo``, whose target, training data and YAML every arm share
 A variant is a name and ``field=value`` overrides of ``speculators-peagle train``'s settings
 (values in YAML: ``num_depths=6``, ``max_anchors=null``); the first variant is the baseline
 the others are set beside. Every arm trains on the demo's data with the demo's YAML for the
-same optimizer steps; the seed sets the initial weights, the row order and the COD draws.
+same optimizer steps, unless the variant sets ``max_steps`` (the lever "more epochs"; its
+training time is in the table); the seed sets the initial weights, the row order and the
+COD draws.
 Per variant and seed (a cell):
 
 - train: ``speculators-peagle train`` in a child process; its wall time and peak RSS;
@@ -133,7 +135,9 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
             return cell
         raise SystemExit(f"{cell_dir} was made with other overrides; use another --out.")
     config_yaml = _variant_yaml(demo, overrides, Path(args.out) / name / "train.yaml")
+    # every arm trains the same steps, unless the variant is about the step count
     steps = args.steps if args.steps is not None else demo["steps_demo"]
+    steps = overrides.get("max_steps", steps)
     trained = _train(demo, config_yaml, cell_dir / "train", seed, steps)
     config = TrainConfig.from_sources(
         str(config_yaml), verifier_name_or_path=demo["target"], data_path=demo["data"],
