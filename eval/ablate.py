@@ -121,6 +121,13 @@ def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | No
     }
 
 
+def demo_trained_it(demo: dict, overrides: dict, seed: int, steps: int | None) -> bool:
+    """Whether the demo trained this arm already: its own recipe, seed and steps on the same
+    data (training is deterministic, so its checkpoint is the arm's)."""
+    same_run = seed == demo["seed"] and steps == demo["steps_demo"]
+    return not overrides and same_run and demo["trained"] is not None
+
+
 def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: dict) -> dict:
     """One variant at one seed: train, held-out figures, served figures (``cell.json``)."""
     from speculators_peagle_plugin.training.config import TrainConfig
@@ -138,7 +145,10 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
     # every arm trains the same steps, unless the variant is about the step count
     steps = args.steps if args.steps is not None else demo["steps_demo"]
     steps = overrides.get("max_steps", steps)
-    trained = _train(demo, config_yaml, cell_dir / "train", seed, steps)
+    if demo_trained_it(demo, overrides, seed, steps):
+        trained = {**demo["trained"], "peak_rss_gib": None}  # no peak RSS on record
+    else:
+        trained = _train(demo, config_yaml, cell_dir / "train", seed, steps)
     config = TrainConfig.from_sources(
         str(config_yaml), verifier_name_or_path=demo["target"], data_path=demo["data"],
         save_path=str(cell_dir / "train"), seed=seed,
@@ -172,7 +182,8 @@ def figures(cell: dict) -> dict[str, float]:
         for d, acc in enumerate(held["accuracy_per_depth"]):
             out[f"held out {spec}: accuracy depth {d}"] = acc
     out["train s"] = cell["train_s"]
-    out["peak RSS GiB"] = cell["peak_rss_gib"]
+    if cell["peak_rss_gib"] is not None:
+        out["peak RSS GiB"] = cell["peak_rss_gib"]
     return out
 
 

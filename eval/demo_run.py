@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from speculators_peagle_plugin.demo.artifacts import RunLayout
 from speculators_peagle_plugin.demo.stages import STATE_FILE
 from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
+from speculators_peagle_plugin.training.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +31,17 @@ def run_command(args: list[str]) -> str:
     return done.stdout
 
 
+def _demo_training(stages: dict, layout: RunLayout) -> dict | None:
+    """The demo's final checkpoint and its training time, if it trained."""
+    if "train" not in stages:
+        return None
+    checkpoint = Path(stages["train"]["outputs"]["checkpoint"]).name
+    return {
+        "checkpoint": str(layout.train.resolve() / checkpoint),
+        "train_s": stages["train"]["seconds"],
+    }
+
+
 def demo_inputs(demo_dir: Path) -> dict:
     """The demo's target, data and training YAML, from its ``stages.json``."""
     stages_path = demo_dir / STATE_FILE
@@ -38,11 +52,12 @@ def demo_inputs(demo_dir: Path) -> dict:
             f"{demo_dir} holds no finished demo; run `make demo` first (or pass --demo-dir)."
         )
     config = json.loads(summary.read_text())["config"]
+    layout = RunLayout(demo_dir)
     return {
         "target": stages["target"]["outputs"]["path"],
         # stages.json holds the data's path relative to where the demo ran, which need not
         # be this process's working directory: take it from the run layout instead
-        "data": str(RunLayout(demo_dir).data.resolve()),
+        "data": str(layout.data.resolve()),
         "config": config["train_config"],
         "steps_demo": config["max_steps"],
         "max_new_tokens": config["max_new_tokens"],
@@ -55,6 +70,11 @@ def demo_inputs(demo_dir: Path) -> dict:
         "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
+        # the demo's own training: an arm with its recipe, seed and steps need not train again
+        "seed": yaml.safe_load(Path(config["train_config"]).read_text()).get(
+            "seed", TrainConfig.seed
+        ),
+        "trained": _demo_training(stages, layout),
     }
 
 

@@ -58,3 +58,12 @@ def test_one_seed_never_clears_the_bar():
     cells = [cell("base", 0, 1.5, 0.4, 1.0), cell("other", 0, 2.5, 0.6, 1.0)]
     text = ablate.table(ablate.summarise(cells, ["base", "other"]), ["base", "other"])
     assert "Δ +1.000)" in text and "*" not in text
+
+
+def test_only_the_demos_own_recipe_seed_and_steps_reuse_its_training():
+    demo = {"seed": 42, "steps_demo": None, "trained": {"checkpoint": "c", "train_s": 1.0}}
+    assert ablate.demo_trained_it(demo, {}, 42, None)
+    assert not ablate.demo_trained_it(demo, {"tv_weight": 1.0}, 42, None)
+    assert not ablate.demo_trained_it(demo, {}, 0, None)
+    assert not ablate.demo_trained_it(demo, {}, 42, 100)
+    assert not ablate.demo_trained_it({**demo, "trained": None}, {}, 42, None)
