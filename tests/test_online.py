@@ -64,11 +64,13 @@ def test_an_online_step_equals_the_offline_step_on_the_same_rows(
     offline = build_training(config_for(workdir, tmp_path / "off", **kw))
     online = build_training(online_config(workdir, tmp_path / "on", **kw))
     assert online.batches.data.online is not None and offline.batches.data.online is None
-    documents = []
-    for index in range(len(offline.batches)):  # every row: one or several ragged documents
+    # the rows of most and fewest documents (ragged lengths, padding)
+    docs = [len(offline.batches.step_samples(0, i)) for i in range(len(offline.batches))]
+    rows = {docs.index(max(docs)), docs.index(min(docs))}
+    assert max(docs) > 1
+    for index in rows:
         off_batch, off_loss, off_grads = one_step(offline, 0, index)
         on_batch, on_loss, on_grads = one_step(online, 0, index)
-        documents.append(len(on_batch["lengths"]))
         assert off_batch.keys() == on_batch.keys()
         for key, value in off_batch.items():
             # the same function of the same tokens: equal up to float32 rounding at most
@@ -77,7 +79,6 @@ def test_an_online_step_equals_the_offline_step_on_the_same_rows(
         assert on_grads.keys() == off_grads.keys() and len(on_grads) > 3
         for name, grad in off_grads.items():
             torch.testing.assert_close(on_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert max(documents) > 1
 
 
 def epoch_batches(setup, epoch):
@@ -149,6 +150,7 @@ def online_args(workdir, save, *extra):
     return args
 
 
+@pytest.mark.slow
 def test_an_online_run_stopped_by_sigterm_resumes_to_the_same_weights(
     workdir, tmp_path, monkeypatch
 ):
@@ -163,10 +165,11 @@ def test_an_online_run_stopped_by_sigterm_resumes_to_the_same_weights(
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(loop, "append_record", record_then_sigterm)
-    steps = str(len(build_training(online_config(workdir, tmp_path / "n")).batches) + 2)
+    per_epoch = len(build_training(online_config(workdir, tmp_path / "n", total_seq_len=256))
+                    .batches)  # fmt: skip
     cap = str(150 * 1024 / 2**30)
-    args = ("--max-steps", steps, "--online-cache", "disk", "--online-cache-gib", cap,
-            "--sequence-partitions", "2")  # fmt: skip
+    args = ("--max-steps", str(per_epoch + 2), "--online-cache", "disk", "--online-cache-gib",
+            cap, "--sequence-partitions", "2", "--total-seq-len", "256")  # fmt: skip
     code, out = run_cli(online_args(workdir, tmp_path / "straight", *args))
     assert code == 0, out
     code, out = run_cli(online_args(workdir, tmp_path / "cut", *args))
@@ -187,7 +190,7 @@ def test_online_from_prompts_writes_no_hidden_states_and_generates_the_replies_o
     args = online_args(workdir, save, "--max-steps", "2", "--max-new-tokens", "24",
                        "--temperature", "1.0")  # fmt: skip
     i = args.index("--data-path")
-    args[i : i + 2] = ["--prompts", str(workdir / "prompts.jsonl")]
+    args[i : i + 2] = ["--prompts", f"{workdir / 'prompts.jsonl'}[:6]"]
     code, out = run_cli(args)
     assert code == 0, out
     written = [p.relative_to(save) for p in save.rglob("*") if p.is_file()]
