@@ -13,7 +13,11 @@ The states are :func:`~.capture.capture_hidden_states` of one sample, the functi
 ``generate-data``'s transformers pass writes to disk: the same aux layers, the final
 residual stream taken before the norm, the target's dtype. Each document of a packed row
 is its own forward, so no document attends to another, and a row's states are those the
-offline files hold (bit for bit where the offline pass ran the sample alone as well).
+offline files hold (bit for bit where the offline pass ran the sample alone as well). One
+forward over the whole packed row, with a block-diagonal mask and positions restarting per
+document, would use a GPU better on many short documents, but it rounds differently from
+the offline pass (other matmul shapes) and needs an attention backend that honours such a
+mask; a forward per document is exact and works for any transformers target.
 
 A batch is a pure function of ``(epoch, step)`` as long as a sample's states are a pure
 function of the sample; the caches below keep it so (see :class:`StatesCache`).
@@ -128,7 +132,7 @@ class DiskCache(StatesCache):
             old = read_json(key_file) if key_file.exists() else None
             if old != self.key:
                 logger.info("%s holds states of other settings; emptying it", self.directory)
-                shutil.rmtree(self.directory)
+                shutil.rmtree(self.directory, ignore_errors=True)  # (another machine's too)
             else:
                 remove_stale_temporaries(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -186,7 +190,7 @@ class OnlineHiddenStates:
     Args:
         model: the target (:func:`~..model.target.load_target_model`).
         layer_ids: aux layer ids (the residual stream after that many decoder layers).
-        cache: the :class:`StatesCache` to build over the rows (:meth:`attach`).
+        cache: which :class:`StatesCache` to build over the rows (:meth:`attach`).
 
     ``seconds`` accumulates the time spent in target forwards (the loop reads and resets
     it per step); ``computed`` counts them.

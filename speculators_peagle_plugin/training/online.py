@@ -9,6 +9,7 @@ writes no hidden states; offline pays their disk once and trains any number of r
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -95,13 +96,15 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
 
 
 def prepare_cache(data: TrainingData, world: World) -> None:
-    """Ready the states cache before the first step: rank 0 empties a disk cache made with
-    other settings; every rank waits for it."""
+    """Ready the states cache before the first step: the first rank of each machine empties
+    a disk cache made with other settings (the save path may be local to each machine);
+    every rank waits for it."""
     cache = data.online.cache
     if cache is None:
         return
-    if world.rank == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         cache.prepare()
+    if world.rank == 0:
         logger.info(
             "online cache (%s): the first %d of %d samples, %.2f GiB",
             type(cache).__name__, cache.rows, data.num_samples, cache.bytes / 2**30,
