@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import DRAFT_VOCAB, config_for, run_cli, train_args
+from helpers.training import DRAFT_VOCAB, config_for, reference_step, run_cli, train_args
 from safetensors.torch import load_file, save_file
 from tiny import tiny_tokenizer, tiny_workdir
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from speculators_peagle_plugin.data import PackedBatches
 from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.progress import METRICS_FILE
-from speculators_peagle_plugin.training.step import cod_generator, train_step
+from speculators_peagle_plugin.training.step import train_step
 
 REPO = Path(__file__).parent.parent
 
@@ -111,29 +110,6 @@ def test_killed_and_resumed_equals_uninterrupted(workdir, tmp_path, sig):
         assert torch.equal(a[key], b[key]), key
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, 41))
-
-
-def reference_step(workdir, save, partitions, world_size=2):
-    """One optimizer step in this process on the global batch of ``world_size`` rows:
-    the mean of the rows' losses, each row's COD drawn as that rank draws it."""
-    config = config_for(workdir, save, sequence_partitions=partitions, max_steps=1)
-    setup = build_training(config)
-    rows = PackedBatches(
-        setup.batches.data, 96, seed=3, rank=0, world_size=world_size
-    ).global_rows(0, 0)
-    module = setup.module
-    setup.optimizer.zero_grad()
-    for rank, row in enumerate(rows):
-        module.generator = cod_generator(3, 0, rank, torch.device("cpu"))
-        if partitions == 1:
-            (module.forward_batch(row).loss / world_size).backward()
-            continue
-        plan = module.build_peagle_plan(row["loss_mask"], document_ids=row["document_ids"])
-        for i in range(len(plan)):
-            (module.forward_batch(row, peagle_segment=(plan, i)).loss / world_size).backward()
-    torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
-    setup.optimizer.step()
-    return {k: v.detach() for k, v in setup.draft.state_dict().items()}
 
 
 @pytest.mark.slow

@@ -54,6 +54,8 @@ SUBSTITUTE = {
     "-k 2,4,8": "-k 2,8",
     "--nproc_per_node 8": "--nproc_per_node 2",
     "--draft-vocab-size 32000": "--draft-vocab-size 128",
+    "--prompts prompts.jsonl --max-new-tokens 512": "--prompts prompts.jsonl[:4] "
+    "--max-new-tokens 16",
 }
 
 
@@ -146,7 +148,7 @@ def trained(workspace):
     (gen,) = commands_of(("generate-data",))
     run(prepared(gen, root, target), root)
     assert (root / "data" / "state.json").is_file()
-    (train,) = commands_of(("train",))
+    train, _online = commands_of(("train",))
     run(prepared(train, root, target), root)
     assert (root / "ckpt" / "checkpoint-2" / "model.safetensors").is_file()
     # The README's checkpoint-1000 stands for the last one: make it that one.
@@ -163,6 +165,18 @@ def test_torchrun_command_trains_on_two_ranks(trained):
     run(words, root)
     metrics = [json.loads(line) for line in open(root / "ckpt-ddp" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
+
+
+@pytest.mark.slow
+def test_online_train_command_writes_no_hidden_states(workspace):
+    root, target = workspace
+    _offline, online = commands_of(("train",))
+    run(prepared(online, root, target), root)
+    save = root / "ckpt-online"
+    metrics = [json.loads(line) for line in open(save / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2] and all("target_share" in m for m in metrics)
+    tensors = [p.relative_to(save) for p in save.rglob("*.safetensors")]
+    assert tensors and all(p.parts[0].startswith("checkpoint-") for p in tensors), tensors
 
 
 @pytest.mark.slow

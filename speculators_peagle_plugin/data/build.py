@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,27 +125,53 @@ def generate_data(config: DataGenConfig) -> TrainingData:
     ``config.draft_vocab_size``. Re-running skips what is complete and valid; every file is
     written under a temporary name and renamed. Returns the opened data.
     """
+    output = Path(config.output)
+    with _output_of(config) as (settings, target, prompts):
+        estimate = storage_estimate(
+            config, settings, target.tokenizer, prompts, output / HIDDEN_STATES_DIR
+        )
+        logger.info(estimate.summary())
+        check_free_space(output, estimate)
+        return _generate(config, output, settings, target, prompts)
+
+
+def generate_replies(config: DataGenConfig) -> Path:
+    """Only the replies of :func:`generate_data`: its dataset of token ids, no hidden states.
+
+    What online training reads (its states come from the target during training): the Arrow
+    dataset, ``token_freq.pt`` and ``generation_settings.json`` in ``config.output``, resumable
+    and checked against its settings like ``generate_data``'s output (which a later
+    ``generate-data`` run with the same settings completes into offline data). Returns the
+    directory.
+    """
+    output = Path(config.output)
+    with _output_of(config) as (settings, target, prompts):
+        _write_replies(config, output, settings, target, prompts)
+    return output
+
+
+@contextmanager
+def _output_of(config: DataGenConfig):
+    """``(settings, target, prompts)`` while ``config.output`` is locked and checked.
+
+    Everything that can reject the input runs before the output directory is touched.
+    """
     from transformers import AutoConfig
 
     output = Path(config.output)
-    # Everything that can reject the input runs before the output directory is touched.
     settings = _settings(config, AutoConfig.from_pretrained(config.target))
     if output.is_file():
         raise ValueError(f"--output {output} is a file; choose a new or empty directory.")
     with exclusive_directory(output, "generate-data"):
-        return _generate(config, output, settings)
+        _check_output(output, settings)
+        prompts = load_prompts(config.prompts, config.max_samples)
+        yield settings, Target(config), prompts
 
 
-def _generate(config: DataGenConfig, output: Path, settings: dict) -> TrainingData:
-    resuming = _check_output(output, settings)
-    prompts = load_prompts(config.prompts, config.max_samples)
-    target = Target(config)
-    estimate = storage_estimate(
-        config, settings, target.tokenizer, prompts, output / HIDDEN_STATES_DIR
-    )
-    logger.info(estimate.summary())
-    check_free_space(output, estimate)
-    if not resuming:
+def _write_replies(config: DataGenConfig, output: Path, settings: dict, target, prompts) -> None:
+    """Phases 1 and 2: the target's replies (resumable per shard), then the Arrow dataset and
+    ``token_freq.pt``; skipped when both are complete."""
+    if not (output / SETTINGS_FILE).exists():
         atomic_write_json(output / SETTINGS_FILE, settings)
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
         remove_stale_temporaries(directory)
@@ -152,6 +179,10 @@ def _generate(config: DataGenConfig, output: Path, settings: dict) -> TrainingDa
         rows = generate_responses(target, prompts, output)
         _write_dataset(rows, output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
+
+
+def _generate(config: DataGenConfig, output: Path, settings: dict, target, prompts) -> TrainingData:
+    _write_replies(config, output, settings, target, prompts)
     layer_ids = tuple(settings["target_layer_ids"])
     _write_hidden_states(config, target, output, layer_ids, settings)
     data = open_training_data(output, num_aux_layers=len(layer_ids))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from ..common.files import atomic_write
 from ..common.reading import load_plain_torch, read_json
 from ..core.config import check_int_at_least
 from .config import HIDDEN_STATES_DIR, SETTINGS_FILE, TOKEN_FREQ_FILE, hs_path
+
+if TYPE_CHECKING:
+    from .online import OnlineHiddenStates
 
 
 class DataError(ValueError):
@@ -69,18 +73,23 @@ def _checked_arrow_dataset_class():
 
         def _get_raw_data(self, index: int) -> dict:
             file_idx = self._map_to_file_idx(index)
-            path = hs_path(self.transfer.hidden_states_path, file_idx)
-            try:
+            hs_dir = getattr(self.transfer, "hidden_states_path", None)
+            if hs_dir is None:  # online: the target computes them (data/online.py)
                 loaded = self.transfer.get_cached(file_idx)
-            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-                msg = f"Hidden-state file {path} is corrupt or truncated ({err})."
-                raise DataError(msg) from err
-            if loaded is None:
-                raise DataError(f"Hidden-state file {path} is missing.")
+                what = f"The target's hidden-state sample of row {file_idx}"
+            else:
+                path = hs_path(hs_dir, file_idx)
+                what = f"Hidden-state file {path}"
+                try:
+                    loaded = self.transfer.get_cached(file_idx)
+                except Exception as err:  # noqa: BLE001 - safetensors raises its own errors
+                    raise DataError(f"{what} is corrupt or truncated ({err}).") from err
+                if loaded is None:
+                    raise DataError(f"{what} is missing.")
             row = self.data[index]
             problem = _sample_problem(loaded, row["input_ids"], self.shape_tail)
             if problem:
-                raise DataError(f"Hidden-state file {path} {problem}.")
+                raise DataError(f"{what} {problem}.")
             hidden = loaded["hidden_states"]
             return {
                 "hidden_states": hidden[:, :-1].flatten(1),  # [seq, n_aux * H]
@@ -106,6 +115,8 @@ class TrainingData:
         num_loss_tokens: supervised tokens over all rows.
         lengths: ``seq_len`` of each row.
         settings: generate-data's settings, or None for data made by speculators itself.
+        online: where the hidden states come from when the target computes them during
+            training (None: the files in ``hidden_states/``).
     """
 
     path: Path
@@ -116,6 +127,7 @@ class TrainingData:
     num_loss_tokens: int
     lengths: list[int]
     settings: dict | None
+    online: OnlineHiddenStates | None = None
 
     @property
     def hidden_states_dir(self) -> Path:
@@ -127,9 +139,14 @@ class TrainingData:
         return None if self.settings is None else tuple(self.settings["target_layer_ids"])
 
     def validate(self, progress: bool = True) -> None:
-        """Load and check every hidden-state file; the first bad one raises DataError."""
+        """Load and check every hidden-state file; the first bad one raises DataError.
+
+        Online data has no files: its states are checked as the target computes them.
+        """
         from tqdm import tqdm
 
+        if self.online is not None:
+            return
         for i in tqdm(
             range(self.num_samples), desc="Checking data", unit="sample", disable=not progress
         ):
@@ -229,9 +246,9 @@ def _hidden_states_shape(path: Path) -> list[int]:
         raise DataError(f"Hidden-state file {path} is corrupt or truncated ({err}).") from err
 
 
-def _read_rows(path: Path) -> tuple[int, np.ndarray, int]:
-    """``(rows, seq_len per row, supervised tokens)`` of the Arrow dataset at ``path``, whose
-    columns must be present and agree row by row."""
+def _read_rows(path: Path) -> tuple[int, np.ndarray, int, int]:
+    """``(rows, seq_len per row, supervised tokens, largest token id)`` of the Arrow dataset
+    at ``path``, whose columns must be present and agree row by row."""
     import pyarrow.compute as pc
     from datasets import load_from_disk
 
@@ -264,7 +281,8 @@ def _read_rows(path: Path) -> tuple[int, np.ndarray, int]:
             f"entries and seq_len {lengths[i]}; they must agree."
         )
     num_loss_tokens = int(pc.sum(pc.list_flatten(table["loss_mask"])).as_py() or 0)
-    return len(raw), lengths, num_loss_tokens
+    largest = int(pc.max(pc.list_flatten(table["input_ids"])).as_py() or 0)
+    return len(raw), lengths, num_loss_tokens, largest
 
 
 def _hidden_states_layout(
@@ -274,6 +292,12 @@ def _hidden_states_layout(
     hs_dir = path / HIDDEN_STATES_DIR
     present = set(os.listdir(hs_dir)) if hs_dir.is_dir() else set()
     absent = [i for i in range(num_rows) if hs_path(hs_dir, i).name not in present]
+    if len(absent) == num_rows:
+        raise DataError(
+            f"{path} holds token ids but no hidden states ({hs_dir} has none of its "
+            f"{num_rows} rows); train with --online to compute them during training, or make "
+            "them with generate-data."
+        )
     if absent:
         raise DataError(
             f"{hs_dir} lacks the hidden states of {len(absent)} of {num_rows} rows (first: "
@@ -306,6 +330,7 @@ def open_training_data(
     draft_vocab_size: int | None = None,
     verifier_hidden_size: int | None = None,
     num_aux_layers: int | None = None,
+    online: OnlineHiddenStates | None = None,
 ) -> TrainingData:
     """Open a speculators data directory for training, checking what can be checked cheaply.
 
@@ -315,24 +340,39 @@ def open_training_data(
     match ``verifier_hidden_size`` / ``num_aux_layers``, and a ``draft_vocab_size`` mapping is
     available. Contents of each file are checked when it is loaded (or by ``validate()``).
 
+    With ``online`` (:class:`~.online.OnlineHiddenStates`) the hidden states come from the
+    target as each sample is read, and the directory needs only the token ids (its
+    ``hidden_states/``, if any, is not read); every token id must be in the target's
+    vocabulary.
+
     Raises:
         DataError: one sentence naming the path, file or setting that is wrong.
     """
     path = Path(data_path)
     if not str(data_path) or not path.is_dir():
         raise DataError(f"Data path {str(data_path)!r} is not an existing directory.")
-    num_rows, lengths, num_loss_tokens = _read_rows(path)
-    hidden_size, n_aux = _hidden_states_layout(path, num_rows, verifier_hidden_size, num_aux_layers)
+    num_rows, lengths, num_loss_tokens, largest_id = _read_rows(path)
+    if online is None:
+        hidden_size, n_aux = _hidden_states_layout(
+            path, num_rows, verifier_hidden_size, num_aux_layers
+        )
+        from hs_connectors.transfer import FP8Transfer
 
-    from hs_connectors.transfer import FP8Transfer
+        # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
+        transfer = FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32)
+    else:
+        if largest_id >= online.vocab_size:
+            raise DataError(
+                f"The dataset at {path} holds token id {largest_id}, outside the target's "
+                f"vocabulary of {online.vocab_size}; it was made for another target."
+            )
+        hidden_size, n_aux, transfer = online.hidden_size, online.num_aux_layers, online
 
     dataset = _checked_arrow_dataset_class()(
-        max_len=int(lengths.max()),
-        datapath=str(path),
-        # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
-        transfer=FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32),
-        on_missing="raise",
+        max_len=int(lengths.max()), datapath=str(path), transfer=transfer, on_missing="raise"
     )
+    if online is not None:
+        online.attach(dataset.data, [int(x) for x in lengths])
     dataset.shape_tail = (n_aux + 1, hidden_size)
     settings_path = path / SETTINGS_FILE
     data = TrainingData(
@@ -344,6 +384,7 @@ def open_training_data(
         num_loss_tokens=num_loss_tokens,
         lengths=[int(x) for x in lengths],
         settings=read_json(settings_path) if settings_path.exists() else None,
+        online=online,
     )
     if draft_vocab_size is not None:
         data.check_vocab_mapping(draft_vocab_size)

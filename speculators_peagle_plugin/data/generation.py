@@ -17,7 +17,7 @@ import torch
 
 from ..common.dtypes import DTYPES
 from ..common.files import atomic_write_json
-from ..model.target import eos_token_ids
+from ..model.target import eos_token_ids, load_target_model
 from .config import (
     RESPONSES_DIR,
     VLLM_BATCHES_PER_SHARD,
@@ -51,11 +51,8 @@ class Target:
     def model(self):
         """The transformers model, loaded on first use: a run whose replies and states both
         come from vLLM never loads it (a target served with tensor parallelism may not fit)."""
-        from transformers import AutoModelForCausalLM
-
         cfg = self.config
-        model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[cfg.dtype])
-        return model.to(cfg.device).eval()
+        return load_target_model(cfg.target, DTYPES[cfg.dtype], cfg.device)
 
     def prompt_ids(self, turns: list[dict]) -> list[int]:
         return render_conversation(self.tokenizer, turns)

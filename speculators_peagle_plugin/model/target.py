@@ -57,3 +57,15 @@ class FinalNormInput:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def load_target_model(path, dtype: torch.dtype, device) -> torch.nn.Module:
+    """The target as a frozen transformers causal LM in ``dtype`` on ``device``, in eval mode.
+
+    Every place that runs the target for data (reply generation, offline capture, online
+    training) loads it here, so they compute with the same weights, dtype and attention.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)

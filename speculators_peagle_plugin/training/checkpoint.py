@@ -190,6 +190,10 @@ def resume_point(config: TrainConfig, save_path: Path, world: World) -> ResumePo
 def _comparable(name: str, value):
     if name in PATH_FIELDS and value:
         return str(Path(value).resolve())
+    if name == "prompts" and value:  # a prompt-set spec whose source may be a file
+        from ..data.prompts import resolved_spec
+
+        return resolved_spec(value)
     return list(value) if isinstance(value, tuple) else value
 
 

@@ -6,10 +6,18 @@ import math
 from dataclasses import dataclass, fields
 from typing import get_args, get_origin, get_type_hints
 
+from ..common.dtypes import DTYPE_NAMES
 from ..common.flags import flag_field as _opt
 from ..common.reading import read_yaml_mapping
 from ..core.config import CODConfig, _fail, check_int_at_least
+from ..data.config import BACKENDS, DataGenConfig
+from ..data.online import CACHE_KINDS
+from ..data.prompts import prompt_source_exists
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
+
+# Settings that do something only with --online, and only with --prompts.
+ONLINE_FIELDS = ("target_dtype", "online_cache", "online_cache_gib")
+REPLY_FIELDS = ("max_new_tokens", "temperature", "num_samples", "generation_backend")
 
 
 def _coerce(name: str, value, hint):
@@ -44,7 +52,48 @@ class TrainConfig:
     """
 
     verifier_name_or_path: str = _opt("", "Local directory of the target (verifier) model.")
-    data_path: str = _opt("", "Training data in speculators' on-disk format.")
+    data_path: str = _opt(
+        "",
+        "Training data in speculators' on-disk format (with --online, token ids and loss "
+        "masks are enough).",
+    )
+    online: bool = _opt(
+        False,
+        "Compute the target's hidden states during training: every rank runs the target on "
+        "its own rows; no hidden states are read or written (see --online-cache).",
+    )
+    prompts: str | None = _opt(
+        None,
+        "With --online, instead of --data-path: a prompt set as generate-data --prompts takes "
+        "it; the target's replies are generated first into SAVE/replies (a rerun reuses them).",
+    )
+    target_dtype: str = _opt(
+        "float32",
+        "With --online: the target's dtype (generate-data's --dtype), also its states'.",
+        choices=DTYPE_NAMES,
+    )
+    online_cache: str = _opt(
+        "none",
+        "With --online: keep hidden states for later epochs in RAM (exact) or on disk in "
+        "bfloat16 under SAVE/online-cache (a cached sample trains on its bfloat16 states in "
+        "every epoch); none recomputes them each epoch.",
+        choices=CACHE_KINDS,
+    )
+    online_cache_gib: float = _opt(
+        4.0, "Size cap of --online-cache in GiB: the first samples that fit are cached."
+    )
+    max_new_tokens: int = _opt(DataGenConfig.max_new_tokens, "With --prompts: tokens per reply.")
+    temperature: float = _opt(
+        DataGenConfig.temperature, "With --prompts: the replies' sampling temperature; 0 = greedy."
+    )
+    num_samples: int = _opt(
+        DataGenConfig.num_samples, "With --prompts: replies per prompt (> 1 needs --temperature)."
+    )
+    generation_backend: str = _opt(
+        DataGenConfig.backend,
+        "With --prompts: what generates the replies (generate-data's --backend).",
+        choices=BACKENDS,
+    )
     save_path: str = _opt("./checkpoints", "Directory for checkpoints and the metrics log.")
     algorithm: str = _opt("peagle", "Drafting algorithm (entry point speculators.algorithms).")
     num_layers: int = _opt(1, "Number of draft decoder layers.")
@@ -128,9 +177,10 @@ class TrainConfig:
     resume: str | None = _opt(None, "Resume from this checkpoint directory.")
 
     def __post_init__(self) -> None:
-        for name in ("verifier_name_or_path", "data_path"):
-            if not getattr(self, name):
-                raise ValueError(f"{name} is required (--{name.replace('_', '-')}).")
+        if not self.verifier_name_or_path:
+            runs = " (--online runs the target inside training)" if self.online else ""
+            raise ValueError(f"verifier_name_or_path is required (--verifier-name-or-path){runs}.")
+        self._check_online()
         for f in fields(self):
             allowed = f.metadata.get("choices")
             if allowed and getattr(self, f.name) not in allowed:
@@ -184,6 +234,35 @@ class TrainConfig:
                 "learning rate would never reach lr; use at most max_steps warmup steps."
             )
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here
+
+    def _check_online(self) -> None:
+        """--data-path or --prompts, and no online or reply setting where it does nothing."""
+        if self.prompts is not None:
+            if not self.online:
+                raise ValueError(
+                    "--prompts needs --online (offline training reads --data-path, made by "
+                    "generate-data)."
+                )
+            if self.data_path:
+                raise ValueError("Pass one of --data-path or --prompts, not both.")
+            if not prompt_source_exists(self.prompts):
+                raise ValueError(f"--prompts {self.prompts} does not exist.")
+        elif not self.data_path:
+            instead = "; with --online, --prompts can stand in for it" if self.online else ""
+            raise ValueError(f"data_path is required (--data-path){instead}.")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, needs, given in (
+            *((n, "online", self.online) for n in ONLINE_FIELDS),
+            *((n, "prompts", self.prompts is not None) for n in REPLY_FIELDS),
+        ):
+            if not given and getattr(self, name) != defaults[name]:
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} is used only with --{needs}; drop it or add --{needs}.")
+        size = self.online_cache_gib
+        if not (isinstance(size, int | float) and math.isfinite(size) and size > 0):
+            _fail("online_cache_gib", size, "a finite number > 0")
+        check_int_at_least("max_new_tokens", self.max_new_tokens, 1)
+        check_int_at_least("num_samples", self.num_samples, 1)
 
     @property
     def hidden_states_dtype(self) -> str:

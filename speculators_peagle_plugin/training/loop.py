@@ -34,6 +34,7 @@ from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
 from .config import TrainConfig
 from .distributed import StepModule, World, env_rank, wrap
+from .online import online_layer_ids, open_online_data, prepare_cache
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -169,8 +170,9 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
     Raises ``ValueError`` (one sentence) on bad input before anything is written. The cheap
-    checks (device, verifier, mask token, the data's layout and layer ids, the checkpoint to
-    resume from in ``save_path``) run before the scan of every hidden-state file.
+    checks (device, verifier, mask token, the checkpoint to resume from in ``save_path``, the
+    data's layout and layer ids) run before the scan of every hidden-state file, and, with
+    ``--online --prompts``, before the replies are generated.
     """
     from ..data import PackedBatches, open_training_data
 
@@ -186,14 +188,18 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             f"({vocab})."
         )
     mask_token_id, reason = _resolve_mask_token(config, vocab)
-    data = open_training_data(
-        config.data_path,
-        draft_vocab_size=config.draft_vocab_size,
-        verifier_hidden_size=verifier_config.hidden_size,
-        num_aux_layers=len(config.target_layer_ids) if config.target_layer_ids else None,
-    )
-    layer_ids = _target_layer_ids(config, data, verifier_config)
     resume = None if save_path is None else resume_point(config, save_path, world)
+    if config.online:
+        layer_ids = online_layer_ids(config, verifier_config)
+        data = open_online_data(config, layer_ids, world)
+    else:
+        data = open_training_data(
+            config.data_path,
+            draft_vocab_size=config.draft_vocab_size,
+            verifier_hidden_size=verifier_config.hidden_size,
+            num_aux_layers=len(config.target_layer_ids) if config.target_layer_ids else None,
+        )
+        layer_ids = _target_layer_ids(config, data, verifier_config)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
 
@@ -228,6 +234,8 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     total = config.epochs * len(batches)
     if config.max_steps is not None:
         total = min(total, config.max_steps)
+    if config.online:
+        prepare_cache(data, world)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizer, _scheduler(optimizer, config, total),
         batches, total, mask_token_id, reason, resume,
@@ -275,6 +283,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,
         desc=f"train {config.algorithm}", unit="step", dynamic_ncols=True,
     )  # fmt: skip
+    online = setup.batches.data.online
     run_began = time.perf_counter()
     with StopFlag() as stop:
         for step in range(start, setup.total_steps):
@@ -295,6 +304,8 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
                 wall_s=now - run_began,
             )  # fmt: skip
+            if online is not None:  # this rank's share of the step spent in the target
+                record["target_share"] = online.take_seconds() / (now - began)
             stop_now = record.pop("stop")
             bar.update(1)
             bar.set_postfix(format_postfix(record), refresh=False)

@@ -102,12 +102,15 @@ def reduce_record(stats: dict, tokens: float, signum: int, world: World) -> dict
 def format_postfix(record: dict) -> dict:
     """The progress bar's figures for one step record."""
     per_depth = "/".join(f"{a:.2f}" for a in record["accuracy_per_depth"][:4])
-    return {
+    postfix = {
         "loss": f"{record['loss']:.3f}",
         "acc@d": per_depth,
         "AL~": f"{record['acceptance_length']:.2f}",
         "tok/s": f"{record['tokens_per_s']:.0f}",
     }
+    if "target_share" in record:  # online training: the target's part of the step time
+        postfix["target"] = f"{record['target_share']:.0%}"
+    return postfix
 
 
 def append_record(path: Path, record: dict) -> None:

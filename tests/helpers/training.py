@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.data import PackedBatches
 from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.loop import build_training
+from speculators_peagle_plugin.training.step import cod_generator
 
 DRAFT_VOCAB = 40
 
@@ -21,14 +25,39 @@ def train_args(workdir, save, *extra):
 
 def config_for(workdir, save, **kw):
     defaults = {"verifier_name_or_path": str(workdir / "target"),
-                "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01}  # fmt: skip
+                "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01,
+                "total_seq_len": 96}  # fmt: skip
     return TrainConfig(
-        save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, total_seq_len=96,
-        **(defaults | kw),
-    )  # fmt: skip
+        save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, **(defaults | kw)
+    )
 
 
 def run_cli(args):
     """``(exit code, output)`` of the command line run in this process."""
     result = CliRunner().invoke(main, args)
     return result.exit_code, result.output
+
+
+def reference_step(workdir, save, partitions, world_size=2, **kw):
+    """One optimizer step in this process on the global batch of ``world_size`` rows:
+    the mean of the rows' losses, each row's COD drawn as that rank draws it. ``kw``: more
+    TrainConfig settings."""
+    config = config_for(workdir, save, sequence_partitions=partitions, max_steps=1, **kw)
+    setup = build_training(config)
+    rows = PackedBatches(
+        setup.batches.data, config.total_seq_len, seed=config.seed, rank=0,
+        world_size=world_size,
+    ).global_rows(0, 0)  # fmt: skip
+    module = setup.module
+    setup.optimizer.zero_grad()
+    for rank, row in enumerate(rows):
+        module.generator = cod_generator(config.seed, 0, rank, torch.device("cpu"))
+        if partitions == 1:
+            (module.forward_batch(row).loss / world_size).backward()
+            continue
+        plan = module.build_peagle_plan(row["loss_mask"], document_ids=row["document_ids"])
+        for i in range(len(plan)):
+            (module.forward_batch(row, peagle_segment=(plan, i)).loss / world_size).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
+    setup.optimizer.step()
+    return {k: v.detach() for k, v in setup.draft.state_dict().items()}
