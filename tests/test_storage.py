@@ -11,9 +11,9 @@ from collections import namedtuple
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers.chat_target import LAYER_IDS, MAX_NEW, gen_args, tiny_chat_target
 from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors.torch import load_file
-from test_data import LAYER_IDS, MAX_NEW, gen_args, tiny_chat_target
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import open_training_data
@@ -76,7 +76,7 @@ def prompts_path(tmp_path_factory):
     return path
 
 
-# test_data's tiny chat target, a module of its own here
+# the generate-data tests' tiny chat target, a module of its own here
 target_dir = pytest.fixture(scope="module", name="target_dir")(
     lambda tmp_path_factory: tiny_chat_target(tmp_path_factory.mktemp("target"))
 )
