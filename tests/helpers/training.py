@@ -32,3 +32,14 @@ def run_cli(args):
     """``(exit code, output)`` of the command line run in this process."""
     result = CliRunner().invoke(main, args)
     return result.exit_code, result.output
+
+
+def refused(workdir, save, data, *extra):
+    """The last output line of a one-step ``train`` on ``data`` that must exit 1 and leave no
+    checkpoint in ``save``."""
+    args = train_args(workdir, save, "--max-steps", "1", *extra)
+    args[args.index("--data-path") + 1] = str(data)
+    code, out = run_cli(args)
+    assert code == 1, out
+    assert not save.exists() or not any(save.iterdir()), "a partial checkpoint was left"
+    return out.strip().splitlines()[-1]
