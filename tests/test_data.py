@@ -24,7 +24,6 @@ from helpers.chat_target import (
     PROMPT_ROWS,
     VOCAB,
     gen_args,
-    tiny_chat_target,
     write_prompt_rows,
 )
 from safetensors.torch import load_file, save_file
@@ -44,11 +43,6 @@ from speculators_peagle_plugin.data import (
 )
 from speculators_peagle_plugin.data import capture as capture_mod
 from speculators_peagle_plugin.data import generation as gen_mod
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_chat_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ from speculators_peagle_plugin.data.prompts import load_prompt_set, resolved_spe
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_chat_target(tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
 def prompts_path(tmp_path_factory):
     return write_prompt_rows(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 

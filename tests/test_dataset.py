@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, Features, Sequence, Value, load_from_disk
-from helpers.chat_target import HIDDEN, VOCAB, tiny_chat_target
+from helpers.chat_target import HIDDEN, VOCAB
 from safetensors.torch import load_file, save_file
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import ArrowDataset, CollateFn
@@ -301,11 +301,6 @@ def test_bad_hidden_state_file_raises_when_loaded_and_in_validate(tmp_path, case
 # ---------------------------------------------------------------------------------------------
 # Data made by speculators itself
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return tiny_chat_target(tmp_path_factory.mktemp("target"))
 
 
 def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path):
