@@ -20,6 +20,24 @@ def target(tmp_path_factory):
     return tiny_vllm_target(tmp_path_factory.mktemp("target"), seed=0)
 
 
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """The generate-data tests' tiny chat target (``helpers.chat_target``), once a module."""
+    from helpers.chat_target import tiny_chat_target
+
+    return tiny_chat_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir_once(tmp_path_factory):
+    """``tiny.tiny_workdir`` for the training helpers' draft vocabulary, built once a
+    session; a module copies it rather than generate its data again."""
+    from helpers.training import DRAFT_VOCAB
+    from tiny import tiny_workdir
+
+    return tiny_workdir(tmp_path_factory.mktemp("workdir"), DRAFT_VOCAB)
+
+
 @pytest.fixture
 def third_party_algorithm(tmp_path, monkeypatch):
     """A separate distribution, ``dummy-drafts``, declaring the ``speculators.algorithms``

@@ -11,9 +11,9 @@ from collections import namedtuple
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers.chat_target import LAYER_IDS, MAX_NEW, gen_args
 from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors.torch import load_file
-from test_data import LAYER_IDS, MAX_NEW, gen_args, tiny_chat_target
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import open_training_data
@@ -74,12 +74,6 @@ def prompts_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text('{"prompt": "hello world"}\n{"prompt": "the quick brown fox"}\n')
     return path
-
-
-# test_data's tiny chat target, a module of its own here
-target_dir = pytest.fixture(scope="module", name="target_dir")(
-    lambda tmp_path_factory: tiny_chat_target(tmp_path_factory.mktemp("target"))
-)
 
 
 @pytest.fixture(scope="module")

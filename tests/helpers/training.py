@@ -61,3 +61,14 @@ def reference_step(workdir, save, partitions, world_size=2, **kw):
     torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
     setup.optimizer.step()
     return {k: v.detach() for k, v in setup.draft.state_dict().items()}
+
+
+def refused(workdir, save, data, *extra):
+    """The last output line of a one-step ``train`` on ``data`` that must exit 1 and leave no
+    checkpoint in ``save``."""
+    args = train_args(workdir, save, "--max-steps", "1", *extra)
+    args[args.index("--data-path") + 1] = str(data)
+    code, out = run_cli(args)
+    assert code == 1, out
+    assert not save.exists() or not any(save.iterdir()), "a partial checkpoint was left"
+    return out.strip().splitlines()[-1]
