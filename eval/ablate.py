@@ -105,6 +105,8 @@ def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | No
            demo["data"], "--save-path", str(save), "--seed", str(seed)]  # fmt: skip
     if steps is not None:
         cmd += ["--max-steps", str(steps)]
+    if demo["autocast_none"]:
+        cmd += ["--autocast", "none"]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO)
@@ -124,8 +126,9 @@ def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | No
 def demo_trained_it(demo: dict, overrides: dict, seed: int, steps: int | None) -> bool:
     """Whether the demo trained this arm already: its own recipe, seed and steps on the same
     data (training is deterministic, so its checkpoint is the arm's)."""
-    same_run = seed == demo["seed"] and steps == demo["steps_demo"]
-    return not overrides and same_run and demo["trained"] is not None
+    trained = demo["trained"]
+    same_run = trained is not None and seed == trained["seed"] and steps == demo["steps_demo"]
+    return not overrides and same_run
 
 
 def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: dict) -> dict:

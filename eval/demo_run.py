@@ -31,14 +31,15 @@ def run_command(args: list[str]) -> str:
     return done.stdout
 
 
-def _demo_training(stages: dict, layout: RunLayout) -> dict | None:
-    """The demo's final checkpoint and its training time, if it trained."""
+def _demo_training(stages: dict, layout: RunLayout, train_config: str) -> dict | None:
+    """The demo's final checkpoint, training time and seed, if it trained."""
     if "train" not in stages:
         return None
     checkpoint = Path(stages["train"]["outputs"]["checkpoint"]).name
     return {
         "checkpoint": str(layout.train.resolve() / checkpoint),
         "train_s": stages["train"]["seconds"],
+        "seed": yaml.safe_load(Path(train_config).read_text()).get("seed", TrainConfig.seed),
     }
 
 
@@ -70,11 +71,11 @@ def demo_inputs(demo_dir: Path) -> dict:
         "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
+        # where the CPU has no native bfloat16 the demo trains in float32 (``--autocast
+        # none``), and so must every arm trained beside its draft
+        "autocast_none": not stages.get("train", {}).get("inputs", {}).get("native_bf16", True),
         # the demo's own training: an arm with its recipe, seed and steps need not train again
-        "seed": yaml.safe_load(Path(config["train_config"]).read_text()).get(
-            "seed", TrainConfig.seed
-        ),
-        "trained": _demo_training(stages, layout),
+        "trained": _demo_training(stages, layout, config["train_config"]),
     }
 
 

@@ -61,7 +61,7 @@ def test_one_seed_never_clears_the_bar():
 
 
 def test_only_the_demos_own_recipe_seed_and_steps_reuse_its_training():
-    demo = {"seed": 42, "steps_demo": None, "trained": {"checkpoint": "c", "train_s": 1.0}}
+    demo = {"steps_demo": None, "trained": {"checkpoint": "c", "train_s": 1.0, "seed": 42}}
     assert ablate.demo_trained_it(demo, {}, 42, None)
     assert not ablate.demo_trained_it(demo, {"tv_weight": 1.0}, 42, None)
     assert not ablate.demo_trained_it(demo, {}, 0, None)
