@@ -24,8 +24,11 @@ from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import build, capture_hidden_states, open_training_data
 from speculators_peagle_plugin.data.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
 from speculators_peagle_plugin.data.config import SETTINGS_FILE
+from speculators_peagle_plugin.data.generation import Target
 
 pytestmark = pytest.mark.slow
+
+REPLY_EVENTS: list[dict] = []  # what the reply phase's progress bar was given
 
 
 def vllm_gen_args(target, prompts, output, *extra):
@@ -46,9 +49,21 @@ def generated(tmp_path_factory, target):
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.MonkeyPatch.context() as patch:  # vLLM must capture: no fallback
         patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        patch.setattr(Target, "generate", recording_events(Target.generate))
         result = CliRunner().invoke(main, vllm_gen_args(target, prompts, root / "data"))
     assert result.exit_code == 0, result.output
     return root / "data"
+
+
+def recording_events(generate):
+    def recording(self, prompts, seed, on_event=None):
+        def both(event):
+            REPLY_EVENTS.append(event)
+            on_event(event)
+
+        return generate(self, prompts, seed, both)
+
+    return recording
 
 
 def no_transformers_capture(*args):
@@ -73,6 +88,13 @@ def test_vllm_states_equal_the_transformers_capture(generated, reference):
         expected = capture_hidden_states(reference, ids, LAYER_IDS)
         assert written["hidden_states"].shape == expected.shape == (len(ids), 4, 128)
         torch.testing.assert_close(written["hidden_states"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reply_progress_moves_per_finished_request(generated):
+    # one shard of 6 single-turn prompts: the bar hears of each reply, not only the shard's end
+    progress = [e for e in REPLY_EVENTS if e["event"] == "progress"]
+    assert [e["done"] for e in progress] == [1, 2, 3, 4, 5, 6]
+    assert all(e["total"] == 6 and e["output_tokens"] > 0 for e in progress)
 
 
 def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
@@ -79,10 +80,14 @@ class Target:
                 self.vllm = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_event: Callable[[dict], None] | None = None
+    ) -> list[list[int]]:
         """Completions of a batch of prompts, each cut after its first EOS.
 
-        ``seed`` seeds transformers' sampling; vLLM samples from its engine seed.
+        ``seed`` seeds transformers' sampling; vLLM samples from its engine seed. On vLLM,
+        ``on_event`` receives the worker's event after every finished request
+        (:meth:`~..serving.vllm_client.VllmWorker.run`).
         """
         from transformers import GenerationConfig
 
@@ -96,7 +101,7 @@ class Target:
                 seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
                 engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
             )  # fmt: skip
-            outputs = self.vllm.run(job)["outputs"]
+            outputs = self.vllm.run(job, on_event)["outputs"]
             return [completion_tokens(out, self.eos_ids) for out in outputs]
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
@@ -146,13 +151,14 @@ def completion_tokens(generated: list[int], eos_ids: list[int]) -> list[int]:
     return generated
 
 
-def _regenerate(target: Target, conversations: list[list[dict]], seed: int):
+def _regenerate(target: Target, conversations: list[list[dict]], seed: int, on_event=None):
     """Regenerate every assistant turn of a batch of conversations, turn by turn.
 
     Like speculators' ``regenerate-responses``: each user turn gets the target's reply to the
     conversation so far (with its own earlier replies), and each reply is one boundary row
     (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply).
     Returns ``(rows, generated_tokens)``; ``rows[k]`` lists conversation k's rows.
+    ``on_event`` as in :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
@@ -170,7 +176,7 @@ def _regenerate(target: Target, conversations: list[list[dict]], seed: int):
             del turns[: users[0] + 1]
             active.append(k)
             prompts.append(target.prompt_ids(history[k]))
-        replies = target.generate(prompts, mix_seed(seed, round_index))
+        replies = target.generate(prompts, mix_seed(seed, round_index), on_event)
         for k, prompt, reply in zip(active, prompts, replies, strict=True):
             input_ids, loss_mask = build_boundary_sample(prompt, reply)
             rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
@@ -210,10 +216,18 @@ def generate_responses(target: Target, prompts: list[list[dict]], output: Path) 
         target.generator(output / VLLM_LOG_FILE) if todo else nullcontext(),
         tqdm(total=len(prompts), initial=len(done), unit="reply", desc="Generating") as bar,
     ):
+
+        def live(event: dict) -> None:
+            # a vLLM shard is one job of hundreds of replies: its requests move the bar's
+            # figures while the count waits for the shard
+            if event["event"] == "progress" and event["wall_s"] > 0:
+                rate = event["output_tokens"] / event["wall_s"]
+                bar.set_postfix(requests=f"{event['done']}/{event['total']}", tok_s=f"{rate:.1f}")
+
         for b in range(0, len(todo), shard_size):
             batch = todo[b : b + shard_size]
             rows, generated = _regenerate(
-                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0])
+                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0]), live
             )
             shard = {str(i): r for i, r in zip(batch, rows, strict=True)}
             shard_path = responses / f"{batch[0]:09d}-{batch[-1]:09d}.json"
