@@ -271,6 +271,7 @@ def test_benchmark_commands_run_shortened(name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.runs_first
 def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
     """``make demo`` runs ``speculators-peagle demo``: here its CI-sized run, every stage for
     real (SmolLM2 data, training, check, vLLM eval), then the side-by-side on its outputs."""
