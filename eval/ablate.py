@@ -10,8 +10,9 @@ A variant is a name and ``field=value`` overrides of ``speculators-peagle train`
 (values in YAML: ``num_depths=6``, ``max_anchors=null``); the first variant is the baseline
 the others are set beside. Every arm trains on the demo's data with the demo's YAML for the
 same optimizer steps, unless the variant sets ``max_steps`` (the lever "more epochs"; its
-training time is in the table); the seed sets the initial weights, the row order and the
-COD draws.
+training time is in the table) or ``data_path`` (a data-stage A/B: the same prompts with
+other replies, e.g. sampled at another temperature); the seed sets the initial weights, the
+row order and the COD draws.
 Per variant and seed (a cell):
 
 - train: ``speculators-peagle train`` in a child process; its wall time and peak RSS;
@@ -92,7 +93,9 @@ def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
     return path
 
 
-def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | None) -> dict:
+def _train(
+    demo: dict, config_yaml: Path, data: str, save: Path, seed: int, steps: int | None
+) -> dict:
     """Train one cell in a child process (its progress bar on the terminal); its wall time,
     peak RSS and final checkpoint."""
     import time
@@ -102,7 +105,7 @@ def _train(demo: dict, config_yaml: Path, save: Path, seed: int, steps: int | No
 
     cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train", "--config",
            str(config_yaml), "--verifier-name-or-path", demo["target"], "--data-path",
-           demo["data"], "--save-path", str(save), "--seed", str(seed)]  # fmt: skip
+           data, "--save-path", str(save), "--seed", str(seed)]  # fmt: skip
     if steps is not None:
         cmd += ["--max-steps", str(steps)]
     if demo["autocast_none"]:
@@ -148,12 +151,13 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
     # every arm trains the same steps, unless the variant is about the step count
     steps = args.steps if args.steps is not None else demo["steps_demo"]
     steps = overrides.get("max_steps", steps)
+    data = str(Path(overrides.get("data_path", demo["data"])).resolve())
     if demo_trained_it(demo, overrides, seed, steps):
         trained = {**demo["trained"], "peak_rss_gib": None}  # no peak RSS on record
     else:
-        trained = _train(demo, config_yaml, cell_dir / "train", seed, steps)
+        trained = _train(demo, config_yaml, data, cell_dir / "train", seed, steps)
     config = TrainConfig.from_sources(
-        str(config_yaml), verifier_name_or_path=demo["target"], data_path=demo["data"],
+        str(config_yaml), verifier_name_or_path=demo["target"], data_path=data,
         save_path=str(cell_dir / "train"), seed=seed,
     )  # fmt: skip
     cell = {

@@ -67,3 +67,36 @@ def test_only_the_demos_own_recipe_seed_and_steps_reuse_its_training():
     assert not ablate.demo_trained_it(demo, {}, 0, None)
     assert not ablate.demo_trained_it(demo, {}, 42, 100)
     assert not ablate.demo_trained_it({**demo, "trained": None}, {}, 42, None)
+
+
+def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, monkeypatch):
+    import types
+
+    import yaml
+
+    demo_yaml = tmp_path / "demo.yaml"
+    demo_yaml.write_text(yaml.safe_dump({"algorithm": "peagle", "num_depths": 4}))
+    demo = {"target": str(tmp_path / "target"), "data": str(tmp_path / "demo-data"),
+            "config": str(demo_yaml), "steps_demo": None,
+            "trained": {"checkpoint": "c", "train_s": 1.0, "seed": 42}}  # fmt: skip
+    trained, judged = [], []
+
+    def fake_train(demo, config_yaml, data, save, seed, steps):
+        trained.append(data)
+        save.mkdir(parents=True)
+        return {"checkpoint": str(save / "checkpoint-1"), "train_s": 1.0}
+
+    def fake_heldout(checkpoint, config, path):
+        judged.append(config.data_path)
+        return {}
+
+    monkeypatch.setattr(ablate, "_train", fake_train)
+    monkeypatch.setattr(ablate, "served_acceptance", lambda demo, drafts, *a: {drafts[0]: {}})
+    monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics",
+                        fake_heldout)  # fmt: skip
+    args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=[])
+    other = tmp_path / "other-data"
+    for variant in (("base", {}), ("t03", {"data_path": str(other)}), ("e3", {"epochs": 3})):
+        ablate.run_cell(demo, args, variant, 0, {"humaneval": tmp_path / "heldout"})
+    assert trained == [demo["data"], str(other), demo["data"]]
+    assert judged == trained
