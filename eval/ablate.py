@@ -4,7 +4,7 @@ Usage (after ``make demo``, whose target, training data and YAML every arm share
 
     .venv/bin/python -m eval.ablate --variant baseline --variant hard50 hard_label_weight=0.5
         [--seeds 0,1,2] [--steps N] [--demo-dir runs/demo] [--out runs/ablate]
-        [--eval-prompts SPEC ...] [--heldout SPEC ...]
+        [--eval-prompts SPEC ...] [--heldout SPEC ...] [--no-serve]
 
 A variant is a name and ``field=value`` overrides of ``speculators-peagle train``'s settings
 (values in YAML: ``num_depths=6``, ``max_anchors=null``); the first variant is the baseline
@@ -20,7 +20,8 @@ Per variant and seed (a cell):
   (:func:`~speculators_peagle_plugin.training.heldout.heldout_metrics`) on the target's
   greedy replies to each ``--heldout`` prompt set (generated once, under ``OUT/heldout/``);
 - served: ``speculators-peagle eval`` at the demo's K, greedy, on the ``--eval-prompts``
-  sets: acceptance length, mean and per position.
+  sets: acceptance length, mean and per position (``--no-serve`` screens on the held-out
+  figures alone; a later run without it serves the screened drafts).
 
 A cell's figures go to ``OUT/<variant>/seed-<s>/cell.json`` when it ends; a rerun skips the
 finished cells and resumes an interrupted training. ``OUT/ablation.json`` holds every cell
@@ -144,9 +145,11 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
     done = cell_dir / "cell.json"
     if done.is_file():
         cell = json.loads(done.read_text())
-        if cell["overrides"] == overrides:
+        if cell["overrides"] != overrides:
+            raise SystemExit(f"{cell_dir} was made with other overrides; use another --out.")
+        if cell["served"] or not args.serve:
             return cell
-        raise SystemExit(f"{cell_dir} was made with other overrides; use another --out.")
+        return _served(demo, args, cell, cell_dir)  # screened before: serve it now
     config_yaml = _variant_yaml(demo, overrides, Path(args.out) / name / "train.yaml")
     # every arm trains the same steps, unless the variant is about the step count
     steps = args.steps if args.steps is not None else demo["steps_demo"]
@@ -169,11 +172,20 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
             spec: heldout_metrics(trained["checkpoint"], config, path)
             for spec, path in heldout.items()
         },
-        "served": served_acceptance(
-            demo, [trained["checkpoint"]], args.eval_prompts, cell_dir / "eval"
-        )[trained["checkpoint"]],
+        "served": {},
     }
+    if args.serve:
+        return _served(demo, args, cell, cell_dir)
     atomic_write_text(done, json.dumps(cell, indent=1) + "\n")
+    return cell
+
+
+def _served(demo: dict, args, cell: dict, cell_dir: Path) -> dict:
+    """The cell with its draft's served figures, written to ``cell.json``."""
+    checkpoint = cell["checkpoint"]
+    served = served_acceptance(demo, [checkpoint], args.eval_prompts, cell_dir / "eval")
+    cell = {**cell, "served": served[checkpoint]}
+    atomic_write_text(cell_dir / "cell.json", json.dumps(cell, indent=1) + "\n")
     return cell
 
 
@@ -245,6 +257,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="runs/ablate")
     parser.add_argument("--eval-prompts", action="append", help="[default: the demo's].")
     parser.add_argument("--heldout", action="append", help="[default: the demo's eval sets].")
+    parser.add_argument(
+        "--no-serve", dest="serve", action="store_false",
+        help="Screen: train and score held out only, no vLLM. A later run without this flag "
+        "serves the screened cells' drafts without training them again.",
+    )  # fmt: skip
     return parser.parse_args()
 
 

@@ -94,9 +94,51 @@ def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, mo
     monkeypatch.setattr(ablate, "served_acceptance", lambda demo, drafts, *a: {drafts[0]: {}})
     monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics",
                         fake_heldout)  # fmt: skip
-    args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=[])
+    args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=[], serve=True)
     other = tmp_path / "other-data"
     for variant in (("base", {}), ("t03", {"data_path": str(other)}), ("e3", {"epochs": 3})):
         ablate.run_cell(demo, args, variant, 0, {"humaneval": tmp_path / "heldout"})
     assert trained == [demo["data"], str(other), demo["data"]]
     assert judged == trained
+
+
+def test_a_screened_cell_is_served_later_without_training_again(tmp_path, monkeypatch):
+    import json
+    import types
+
+    import yaml
+
+    demo_yaml = tmp_path / "demo.yaml"
+    demo_yaml.write_text(yaml.safe_dump({"algorithm": "peagle", "num_depths": 4}))
+    demo = {"target": str(tmp_path / "target"), "data": str(tmp_path / "demo-data"),
+            "config": str(demo_yaml), "steps_demo": None, "trained": None}  # fmt: skip
+    calls = []
+
+    def fake_train(demo, config_yaml, data, save, seed, steps):
+        calls.append("train")
+        save.mkdir(parents=True)
+        return {"checkpoint": str(save / "checkpoint-1"), "train_s": 1.0, "peak_rss_gib": 1.0}
+
+    def fake_serve(demo, drafts, prompts, out):
+        calls.append("serve")
+        return {drafts[0]: {"mt_bench": {"acceptance_length": 1.4, "per_position": [0.4]}}}
+
+    monkeypatch.setattr(ablate, "_train", fake_train)
+    monkeypatch.setattr(ablate, "served_acceptance", fake_serve)
+    monkeypatch.setattr(
+        "speculators_peagle_plugin.training.heldout.heldout_metrics",
+        lambda *a: {"accuracy_per_depth": [0.5], "acceptance_length": 1.5},
+    )
+    args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=["x"])
+    variant = ("lr2", {"lr": 0.002})
+    screened = ablate.run_cell(demo, types.SimpleNamespace(**vars(args), serve=False), variant,
+                               0, {"chat": tmp_path / "heldout"})  # fmt: skip
+    assert calls == ["train"] and screened["served"] == {}
+    assert "served mt_bench: acceptance length" not in ablate.figures(screened)
+    for _ in range(2):  # served once, then finished
+        served = ablate.run_cell(demo, types.SimpleNamespace(**vars(args), serve=True), variant,
+                                 0, {"chat": tmp_path / "heldout"})  # fmt: skip
+    assert calls == ["train", "serve"]
+    assert served["heldout"] == screened["heldout"] and served["served"]["mt_bench"]
+    on_disk = json.loads((tmp_path / "out" / "lr2" / "seed-0" / "cell.json").read_text())
+    assert on_disk == served
