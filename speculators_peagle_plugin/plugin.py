@@ -36,6 +36,7 @@ def build_peagle_trainer(draft, config, *, mask_token_id):
         max_anchors=cod.max_anchors,
         hard_label_weight=config.hard_label_weight,
         tv_weight=config.tv_weight,
+        greedy_chains=config.greedy_chains,
     )
 
 

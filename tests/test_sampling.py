@@ -5,6 +5,7 @@ import torch
 from speculators.models.peagle.data import generate_cod_sample_indices as upstream_cod
 
 from speculators_peagle_plugin import CODConfig, generate_cod_sample_indices
+from speculators_peagle_plugin.core.peagle_data import on_greedy_path
 
 SEEDS = range(8)
 
@@ -183,3 +184,28 @@ def test_cuda_matches_invariants_and_stays_on_device():
     )
     assert anchor.is_cuda and depth.is_cuda
     check_cod(anchor.cpu(), depth.cpu(), 2000, loss_mask, doc, CODConfig())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_greedy_path_keeps_exactly_the_rollouts_whose_unseen_tokens_are_all_greedy(seed):
+    gen = torch.Generator().manual_seed(seed)
+    seq_length = 40 + 7 * seed
+    loss_mask, doc = random_packed_row(gen, seq_length, n_docs=1 + seed % 3, pad=seed % 4)
+    anchor, depth = generate_cod_sample_indices(
+        seq_length, loss_mask, 5, 0.9, 0.3, document_ids=doc, generator=gen
+    )
+    greedy = torch.rand(seq_length, generator=gen) < 0.6
+    got = on_greedy_path(anchor, depth, greedy).tolist()
+    elements = list(zip(anchor.tolist(), depth.tolist(), strict=True))
+    want = [all(greedy[a + j] for j in range(d)) for a, d in elements]
+    assert got == want and not all(want)
+    assert any(w for w, (_, d) in zip(want, elements, strict=True) if d > 1)
+    # a kept element's parent is kept: the filtered sample is still a set of chains
+    kept = {e for e, w in zip(elements, want, strict=True) if w}
+    assert all((a, d - 1) in kept for a, d in kept if d > 0)
+
+
+def test_greedy_path_docstring_example():
+    greedy = torch.tensor([True, False, True, True])
+    got = on_greedy_path(torch.tensor([0, 0, 2, 1]), torch.tensor([1, 2, 2, 0]), greedy)
+    assert got.tolist() == [True, False, True, True]

@@ -150,9 +150,9 @@ def test_chunked_cpu_path_matches_dense_float64(seed, num_layers):
 # ------------------------------------------------------------- exact partitioning
 
 
-def run_partitioned(draft, ids, t2d, batch, partitions, seed):
-    module = trainer(draft, ids, t2d, partitions, seed)
-    plan = module.build_peagle_plan(batch["loss_mask"], document_ids=batch["document_ids"])
+def run_partitioned(draft, ids, t2d, batch, partitions, seed, **kw):
+    module = trainer(draft, ids, t2d, partitions, seed, **kw)
+    plan = module.segments(batch)[0][0]  # the loop's path: greedy steps, then the plan
     total = None
     for i in range(len(plan)):
         m = module.forward_batch(batch, peagle_segment=(plan, i))
@@ -161,13 +161,13 @@ def run_partitioned(draft, ids, t2d, batch, partitions, seed):
     return plan, total
 
 
-def assert_partitioned_equals_flat(draft, ids, t2d, batch, partitions, seed):
+def assert_partitioned_equals_flat(draft, ids, t2d, batch, partitions, seed, **kw):
     """Segment losses and gradients sum to the flat ones (float64, relative 1e-9)."""
-    flat = trainer(draft, ids, t2d, 1, seed).forward_batch(batch)
+    flat = trainer(draft, ids, t2d, 1, seed, **kw).forward_batch(batch)
     flat.loss.backward()
     want = grads(draft)
     draft.zero_grad()
-    plan, got = run_partitioned(draft, ids, t2d, batch, partitions, seed)
+    plan, got = run_partitioned(draft, ids, t2d, batch, partitions, seed, **kw)
     torch.testing.assert_close(got.loss, flat.loss, rtol=1e-9, atol=0)
     assert torch.equal(got.valid, flat.valid) and torch.equal(got.correct, flat.correct)
     have = grads(draft)
@@ -245,6 +245,86 @@ def test_mask_hidden_gets_gradient_and_target_logits_path_agrees():
         document_ids=batch["document_ids"],
     )  # fmt: skip
     torch.testing.assert_close(again.loss, m.loss, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------- greedy-path rollouts
+
+
+def greedy_batch(seed, draft, ids, follow_rate):
+    """packed_batch whose next token is the verifier's draft-vocabulary argmax at about
+    ``follow_rate`` of the slots (elsewhere random)."""
+    batch = packed_batch(seed)
+    with torch.no_grad():
+        logits = draft.verifier_lm_head(draft.verifier_norm(batch["verifier_last_hidden_states"]))
+    follow = (
+        torch.rand(logits.shape[:2], generator=torch.Generator().manual_seed(seed)) < follow_rate
+    )
+    nxt = torch.where(follow, ids[logits.argmax(-1)], batch["input_ids"])
+    batch["input_ids"][:, 1:] = nxt[:, :-1]
+    return batch
+
+
+def greedy_steps_loop(batch, draft, ids):
+    """Oracle: slot by slot, float64 logits over the draft columns, argmax, compare."""
+    input_ids, states = batch["input_ids"], batch["verifier_last_hidden_states"]
+    weight = draft.verifier_lm_head.weight.double()
+    steps = torch.zeros_like(input_ids, dtype=torch.bool)
+    for b in range(input_ids.shape[0]):
+        for s in range(input_ids.shape[1] - 1):
+            h = rms_norm(draft.verifier_norm, states[b, s].double())
+            best = max(range(len(ids)), key=lambda v: float(weight[v] @ h))
+            steps[b, s] = int(ids[best]) == int(input_ids[b, s + 1])
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_chains_keep_only_rollouts_on_the_targets_greedy_path(seed):
+    draft, ids, t2d = tiny_draft(50 + seed, dtype=torch.float64)
+    batch = greedy_batch(seed, draft, ids, follow_rate=0.6)
+    module = trainer(draft, ids, t2d, 3, seed, greedy_chains=True)
+    steps = module.greedy_steps(
+        batch["input_ids"], verifier_last_hidden_states=batch["verifier_last_hidden_states"]
+    )
+    want = greedy_steps_loop(batch, draft, ids)
+    assert torch.equal(steps, want) and 0.3 < float(want.float().mean()) < 0.9
+    # full-vocabulary target logits find the same steps
+    with torch.no_grad():
+        head = torch.zeros(TARGET_VOCAB, 64, dtype=torch.float64)
+        head[ids] = draft.verifier_lm_head.weight
+        full = draft.verifier_norm(batch["verifier_last_hidden_states"]) @ head.T
+    assert torch.equal(module.greedy_steps(batch["input_ids"], full), want)
+    # the plan holds the same COD draws as without the option, less the off-path rollouts
+    plan = module.segments(batch)[0][0]
+    gen = torch.Generator().manual_seed(seed)
+    for b in range(2):
+        anchor, depth = generate_cod_sample_indices(
+            batch["loss_mask"].shape[1], batch["loss_mask"][b], K, 0.8, 0.3,
+            document_ids=batch["document_ids"][b], generator=gen,
+        )  # fmt: skip
+        kept = {(a, d) for a, d in zip(anchor.tolist(), depth.tolist(), strict=True)
+                if all(want[b, a + j] for j in range(d))}  # fmt: skip
+        got = set()
+        for u in (u for u in plan.units if u.b == b):
+            charged = u.anchor[u.loss_positions], u.depth[u.loss_positions]
+            got |= set(zip(*(t.tolist() for t in charged), strict=True))
+        assert got <= kept and len(kept) < len(anchor)  # charged: kept and supervised
+        assert any(d > 1 for _, d in got)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_greedy_chains_stay_exact_under_partitioning_and_drop_nothing_from_greedy_replies(seed):
+    draft, ids, t2d = tiny_draft(60 + seed, dtype=torch.float64)
+    draft.train()
+    sampled = greedy_batch(seed, draft, ids, follow_rate=0.5)
+    assert_partitioned_equals_flat(draft, ids, t2d, sampled, 4, seed, greedy_chains=True)
+    draft.zero_grad()
+    on = trainer(draft, ids, t2d, seed=seed, greedy_chains=True).forward_batch(sampled)
+    off = trainer(draft, ids, t2d, seed=seed).forward_batch(sampled)
+    assert torch.equal(on.valid[0], off.valid[0]) and bool((on.valid[1:] < off.valid[1:]).all())
+    greedy = greedy_batch(seed, draft, ids, follow_rate=1.0)  # every reply token greedy
+    on = trainer(draft, ids, t2d, seed=seed, greedy_chains=True).forward_batch(greedy)
+    off = trainer(draft, ids, t2d, seed=seed).forward_batch(greedy)
+    assert torch.equal(on.loss, off.loss) and torch.equal(on.valid, off.valid)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])

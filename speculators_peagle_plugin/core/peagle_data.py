@@ -11,7 +11,7 @@ import torch
 
 from .config import CODConfig, check_int_at_least
 
-__all__ = ["assign_cod_segments", "generate_cod_sample_indices"]
+__all__ = ["assign_cod_segments", "generate_cod_sample_indices", "on_greedy_path"]
 
 
 def _flat_row(name: str, tensor: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -123,6 +123,29 @@ def generate_cod_sample_indices(
         torch.tensor([a.shape[0] for a in anchors], device=device),
     )
     return anchor_pos, depth
+
+
+def on_greedy_path(
+    anchor_pos: torch.Tensor, depth: torch.Tensor, greedy_steps: torch.Tensor
+) -> torch.Tensor:
+    """Which elements lie on the target's greedy path from their anchor: ``[N]`` bool.
+
+    Args:
+        anchor_pos, depth: ``[N]`` COD elements of one row.
+        greedy_steps: ``[L]`` bool; ``greedy_steps[s]`` says that the row's token after
+            slot ``s`` is the target's argmax at ``s``.
+
+    Element ``(a, d)`` is on the path iff ``greedy_steps[a:a + d]`` are all True: the ``d``
+    tokens its rollout does not see are each the target's greedy choice. Depth 0 always is.
+    Greedy serving verifies only such rollouts: a mask slot is checked only after every
+    earlier slot matched the target's argmax.
+
+    Example: ``greedy_steps`` [T, F, T, T], elements (0, 1), (0, 2), (2, 2), (1, 0) ->
+    [True, False, True, True].
+    """
+    # off[i]: off-path steps among slots [0, i)
+    off = torch.nn.functional.pad(torch.cumsum(~greedy_steps.bool(), 0), (1, 0))
+    return off[anchor_pos + depth] == off[anchor_pos]
 
 
 def assign_cod_segments(

@@ -146,6 +146,12 @@ class TrainConfig:
         "Weight of a total-variation term, sum |p - q| / 2 per element, added to the loss: "
         "a sampled draft token is rejected at that rate. 0 = none.",
     )
+    greedy_chains: bool = _opt(
+        False,
+        "Train depths >= 1 only on rollouts along the target's greedy path (every reply "
+        "token between anchor and position is the target's argmax): greedy serving verifies "
+        "no other, and sampled replies leave it often.",
+    )
     sequence_partitions: int = _opt(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
     total_seq_len: int = _opt(8192, "Tokens per packed row.")
     lr: float = _opt(1e-3, "AdamW learning rate.")

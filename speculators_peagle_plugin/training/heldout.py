@@ -50,6 +50,7 @@ def heldout_metrics(
         draft, config, mask_token_id=draft.config.mask_token_id
     )
     module.eval()
+    module.greedy_chains = False  # score every rollout, whatever the recipe trained on
     data = open_training_data(
         data_path,
         draft_vocab_size=draft.lm_head.out_features,

@@ -14,7 +14,7 @@ import torch
 
 from ..core.config import CODConfig, check_int_at_least
 from ..core.peagle_attention import lengths_from_document_ids
-from ..core.peagle_data import generate_cod_sample_indices
+from ..core.peagle_data import generate_cod_sample_indices, on_greedy_path
 from ..kernels.fused_kl import fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
@@ -49,6 +49,9 @@ class PEagleTrainerModule(torch.nn.Module):
         hard_label_weight, tv_weight: the loss beside the KL: the target's argmax mixed into
             its distribution, a total-variation term
             (:func:`~speculators_peagle_plugin.kernels.fused_kl.fused_linear_kl`); 0 = none.
+        greedy_chains: keep depth >= 1 elements only where their rollout follows the
+            target's greedy path (:func:`~speculators_peagle_plugin.core.peagle_data.
+            on_greedy_path`), the only rollouts greedy serving verifies; False keeps all.
 
     ``forward(..., peagle_segment=None)`` runs the single flat forward; with
     ``peagle_segment=(plan, i)`` from :meth:`build_peagle_plan` it runs segment
@@ -71,6 +74,7 @@ class PEagleTrainerModule(torch.nn.Module):
         generator: torch.Generator | None = None,
         hard_label_weight: float = 0.0,
         tv_weight: float = 0.0,
+        greedy_chains: bool = False,
     ):
         super().__init__()
         self.cod = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
@@ -80,6 +84,7 @@ class PEagleTrainerModule(torch.nn.Module):
         if not tv_weight >= 0:
             raise ValueError(f"tv_weight must be >= 0, got {tv_weight!r}.")
         self.tv_weight = float(tv_weight)
+        self.greedy_chains = bool(greedy_chains)
         self.sequence_partitions = check_int_at_least("sequence_partitions", sequence_partitions, 1)
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
@@ -116,8 +121,11 @@ class PEagleTrainerModule(torch.nn.Module):
 
     # ---- batch plumbing ------------------------------------------------------
 
-    def _sample_row(self, loss_mask_row, doc_row):
-        return generate_cod_sample_indices(
+    def _sample_row(self, loss_mask_row, doc_row, greedy_row=None):
+        """The row's COD elements ``(anchor_pos, depth)``; with ``greedy_row`` ``[L]``, the
+        depth >= 1 ones off the target's greedy path dropped (their chains' deeper
+        elements are off it too, so every kept element keeps its parent)."""
+        anchor, depth = generate_cod_sample_indices(
             doc_row.shape[0],
             loss_mask_row,
             self.cod.num_depths,
@@ -127,6 +135,39 @@ class PEagleTrainerModule(torch.nn.Module):
             max_anchors=self.cod.max_anchors,
             generator=self.generator,
         )
+        if greedy_row is None:
+            return anchor, depth
+        keep = on_greedy_path(anchor, depth, greedy_row)
+        return anchor[keep], depth[keep]
+
+    @torch.no_grad()
+    def greedy_steps(
+        self,
+        input_ids: torch.Tensor,
+        target_logits: torch.Tensor | None = None,
+        verifier_last_hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``[B, L]`` bool: the token after slot ``s`` is the target's argmax at ``s``
+        (the last slot: False); ``None`` unless ``greedy_chains``.
+
+        The argmax is the target's among the draft vocabulary's tokens (the verifier head
+        the draft holds has only their columns), from ``target_logits`` or from
+        ``verifier_last_hidden_states``: a token outside it can never be drafted.
+        """
+        if not self.greedy_chains:
+            return None
+        steps = torch.zeros_like(input_ids, dtype=torch.bool)
+        chunk = 1024  # [chunk, V_d] logits at a time
+        for b in range(input_ids.shape[0]):
+            for s in range(0, input_ids.shape[1] - 1, chunk):
+                e = min(s + chunk, input_ids.shape[1] - 1)
+                positions = torch.arange(s, e, device=input_ids.device)
+                logits = self._targets(
+                    positions, row(target_logits, b), row(verifier_last_hidden_states, b)
+                )
+                greedy = self.selected_token_ids[logits.argmax(-1)]
+                steps[b, s:e] = greedy == input_ids[b, s + 1 : e + 1]
+        return steps
 
     def _targets(self, positions, target_logits_row, verifier_row) -> torch.Tensor:
         """Target logits over the draft vocabulary at ``positions`` only: ``[n, V_d]``."""
@@ -260,9 +301,10 @@ class PEagleTrainerModule(torch.nn.Module):
         )
         docs = batch_document_ids(input_ids, attention_mask, document_ids)
         seq_len = input_ids.shape[1]
+        greedy = self.greedy_steps(input_ids, target_logits, verifier_last_hidden_states)
         parts = []
         for b in range(input_ids.shape[0]):
-            anchor, depth = self._sample_row(loss_mask[b], docs[b])
+            anchor, depth = self._sample_row(loss_mask[b], docs[b], row(greedy, b))
             ref = anchor + depth
             parts.append(
                 self._peagle_position_loss(
@@ -304,6 +346,7 @@ class PEagleTrainerModule(torch.nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        greedy_steps: torch.Tensor | None = None,
     ) -> _PeaglePlan:
         """Sample COD once per row and split it into ``sequence_partitions`` segments.
 
@@ -311,7 +354,8 @@ class PEagleTrainerModule(torch.nn.Module):
         per non-empty ``(row, segment)`` (see :func:`row_units` for the context each
         carries); ``loss_positions`` marks the segment's owned supervised elements. The
         plan's ``total_den`` is the batch's supervised-element count, so the segments'
-        ``loss / total_den`` sum to the flat loss.
+        ``loss / total_den`` sum to the flat loss. ``greedy_steps`` ``[B, L]`` (from
+        :meth:`greedy_steps`) keeps only greedy-path rollouts, as the flat forward does.
         """
         docs = batch_document_ids(loss_mask, attention_mask, document_ids)
         batch, seq_len = loss_mask.shape
@@ -319,7 +363,7 @@ class PEagleTrainerModule(torch.nn.Module):
         units, total = [], 0
         for b in range(batch):
             doc = docs[b]
-            anchor, depth = self._sample_row(loss_mask[b], doc)
+            anchor, depth = self._sample_row(loss_mask[b], doc, row(greedy_steps, b))
             supervised = supervised_elements(loss_mask[b], doc, anchor + depth)
             total += int(supervised.sum())
             units += row_units(b, anchor, depth, supervised, doc, self.sequence_partitions, reach)
@@ -334,7 +378,12 @@ class PEagleTrainerModule(torch.nn.Module):
         """
         if self.sequence_partitions == 1:
             return [None]
-        plan = self.build_peagle_plan(batch["loss_mask"], document_ids=batch["document_ids"])
+        greedy = self.greedy_steps(
+            batch["input_ids"], verifier_last_hidden_states=batch["verifier_last_hidden_states"]
+        )
+        plan = self.build_peagle_plan(
+            batch["loss_mask"], document_ids=batch["document_ids"], greedy_steps=greedy
+        )
         return [(plan, i) for i in range(len(plan))]
 
     def _forward_peagle_segment(
