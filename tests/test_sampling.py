@@ -5,7 +5,6 @@ import torch
 from speculators.models.peagle.data import generate_cod_sample_indices as upstream_cod
 
 from speculators_peagle_plugin import CODConfig, generate_cod_sample_indices
-from speculators_peagle_plugin.core.peagle_data import on_greedy_path
 
 SEEDS = range(8)
 
@@ -23,10 +22,11 @@ def random_packed_row(gen, seq_length, n_docs, pad, p_supervised=0.7):
     return loss_mask, doc
 
 
-def check_cod(anchor, depth, seq_length, loss_mask, doc, cfg, n_valid=None):
+def check_cod(anchor, depth, seq_length, loss_mask, doc, cfg, n_valid=None, path=None):
     """Loop oracle: every invariant the sampler promises, one element at a time."""
     anchor, depth = anchor.tolist(), depth.tolist()
     loss_mask, doc = loss_mask.tolist(), doc.tolist()
+    path = [True] * seq_length if path is None else path.tolist()
     supervised = [loss_mask[p] != 0 and doc[p] >= 0 for p in range(seq_length)]
     if n_valid is None:
         n_valid = sum(supervised)
@@ -48,12 +48,16 @@ def check_cod(anchor, depth, seq_length, loss_mask, doc, cfg, n_valid=None):
         refs = [a + d for a in by_depth.get(d, [])]
         # pool: successors of the previous depth's references, supervised, same document
         if d == 1:
-            pool = [p for p in range(1, seq_length) if supervised[p] and doc[p - 1] == doc[p]]
+            pool = [
+                p
+                for p in range(1, seq_length)
+                if supervised[p] and doc[p - 1] == doc[p] and path[p - 1]
+            ]
         else:
             pool = [
                 p + 1
                 for p in prev_refs
-                if p + 1 < seq_length and supervised[p + 1] and doc[p + 1] == doc[p]
+                if p + 1 < seq_length and supervised[p + 1] and doc[p + 1] == doc[p] and path[p]
             ]
         assert len(refs) == min(size, len(pool)), (d, len(refs), size, len(pool))
         assert set(refs) <= set(pool)
@@ -62,6 +66,7 @@ def check_cod(anchor, depth, seq_length, loss_mask, doc, cfg, n_valid=None):
             assert (a, d - 1) in members  # parent exists
             assert supervised[a + d]
             assert doc[a + d] == doc[a] >= 0  # no chain crosses a document boundary
+            assert all(path[a : a + d])  # every step of the rollout allowed
         prev_refs = refs
     assert max(depth) < cfg.num_depths
 
@@ -187,25 +192,25 @@ def test_cuda_matches_invariants_and_stays_on_device():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_greedy_path_keeps_exactly_the_rollouts_whose_unseen_tokens_are_all_greedy(seed):
+@pytest.mark.parametrize("seq_length,n_docs,pad", [(61, 1, 0), (233, 3, 17)])
+def test_a_path_mask_keeps_rollouts_on_the_path_and_the_draw_sizes(seed, seq_length, n_docs, pad):
     gen = torch.Generator().manual_seed(seed)
-    seq_length = 40 + 7 * seed
-    loss_mask, doc = random_packed_row(gen, seq_length, n_docs=1 + seed % 3, pad=seed % 4)
-    anchor, depth = generate_cod_sample_indices(
-        seq_length, loss_mask, 5, 0.9, 0.3, document_ids=doc, generator=gen
-    )
-    greedy = torch.rand(seq_length, generator=gen) < 0.6
-    got = on_greedy_path(anchor, depth, greedy).tolist()
-    elements = list(zip(anchor.tolist(), depth.tolist(), strict=True))
-    want = [all(greedy[a + j] for j in range(d)) for a, d in elements]
-    assert got == want and not all(want)
-    assert any(w for w, (_, d) in zip(want, elements, strict=True) if d > 1)
-    # a kept element's parent is kept: the filtered sample is still a set of chains
-    kept = {e for e, w in zip(elements, want, strict=True) if w}
-    assert all((a, d - 1) in kept for a, d in kept if d > 0)
+    loss_mask, doc = random_packed_row(gen, seq_length, n_docs, pad, p_supervised=0.9)
+    path = torch.rand(seq_length, generator=gen) < 0.8
+    cfg = CODConfig(num_depths=5, down_sample_ratio=0.9, down_sample_ratio_min=0.3)
+    state = gen.get_state()
 
+    def sample(mask):
+        return generate_cod_sample_indices(
+            seq_length, loss_mask, 5, 0.9, 0.3, document_ids=doc, generator=gen, path_mask=mask
+        )
 
-def test_greedy_path_docstring_example():
-    greedy = torch.tensor([True, False, True, True])
-    got = on_greedy_path(torch.tensor([0, 0, 2, 1]), torch.tensor([1, 2, 2, 0]), greedy)
-    assert got.tolist() == [True, False, True, True]
+    anchor, depth = sample(path)
+    check_cod(anchor, depth, seq_length, loss_mask, doc, cfg, path=path)
+    assert int((depth > 1).sum()) > 0
+    # an all-True mask changes nothing
+    everywhere = []
+    for mask in (None, torch.ones(seq_length, dtype=torch.bool)):
+        gen.set_state(state)
+        everywhere.append(sample(mask))
+    assert all(torch.equal(a, b) for a, b in zip(*everywhere, strict=True))

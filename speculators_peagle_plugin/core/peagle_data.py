@@ -11,7 +11,7 @@ import torch
 
 from .config import CODConfig, check_int_at_least
 
-__all__ = ["assign_cod_segments", "generate_cod_sample_indices", "on_greedy_path"]
+__all__ = ["assign_cod_segments", "generate_cod_sample_indices"]
 
 
 def _flat_row(name: str, tensor: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -37,6 +37,7 @@ def generate_cod_sample_indices(
     document_ids: torch.Tensor | None = None,
     max_anchors: int | None = CODConfig.max_anchors,
     generator: torch.Generator | None = None,
+    path_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate COD sampling indices for one (possibly packed) sequence.
 
@@ -55,6 +56,10 @@ def generate_cod_sample_indices(
             drawn uniformly.
         generator: optional ``torch.Generator`` on ``loss_mask``'s device; ``None``
             uses the global RNG.
+        path_mask: optional ``[L]`` or ``[1, L]`` bool: a chain may step from position
+            ``p`` to ``p + 1`` only where ``path_mask[p]``. With "the row's token after
+            ``p`` is the target's argmax at ``p``" every rollout follows the target's
+            greedy path, the only rollouts greedy serving verifies. ``None``: anywhere.
 
     Returns:
         ``anchor_pos: [N]`` and ``depth: [N]`` (int64), depth-major, ascending
@@ -69,7 +74,8 @@ def generate_cod_sample_indices(
     supervised and in the same document. So every chain stays inside one document
     and every depth >= 1 target is supervised. With one document and
     ``loss_mask[0] == 0`` the draws (and so the output under the same RNG state)
-    are speculators 0.9.0's element for element.
+    are speculators 0.9.0's element for element. ``path_mask`` shrinks the pools
+    (a depth-``d`` reference ``q`` needs ``path_mask[q - 1]``), not the draw sizes.
 
     Example (one document of length 6): depth 1 draws references [1, 2, 4, 5],
     depth 2 draws [2, 5], depth 3 draws [3] ->
@@ -95,6 +101,10 @@ def generate_cod_sample_indices(
     # succ_ok[p]: a chain at reference p may extend to p + 1.
     succ_ok = torch.zeros_like(supervised)
     succ_ok[:-1] = same_doc_as_next & supervised[1:]
+    if path_mask is not None:
+        steps = _flat_row("path_mask", path_mask, seq_length).to(device).bool()
+        starts[1:] &= steps[:-1]
+        succ_ok &= steps
 
     pool = torch.nonzero(starts).squeeze(1)  # [P] ascending
     n_valid = int(supervised.sum())
@@ -123,29 +133,6 @@ def generate_cod_sample_indices(
         torch.tensor([a.shape[0] for a in anchors], device=device),
     )
     return anchor_pos, depth
-
-
-def on_greedy_path(
-    anchor_pos: torch.Tensor, depth: torch.Tensor, greedy_steps: torch.Tensor
-) -> torch.Tensor:
-    """Which elements lie on the target's greedy path from their anchor: ``[N]`` bool.
-
-    Args:
-        anchor_pos, depth: ``[N]`` COD elements of one row.
-        greedy_steps: ``[L]`` bool; ``greedy_steps[s]`` says that the row's token after
-            slot ``s`` is the target's argmax at ``s``.
-
-    Element ``(a, d)`` is on the path iff ``greedy_steps[a:a + d]`` are all True: the ``d``
-    tokens its rollout does not see are each the target's greedy choice. Depth 0 always is.
-    Greedy serving verifies only such rollouts: a mask slot is checked only after every
-    earlier slot matched the target's argmax.
-
-    Example: ``greedy_steps`` [T, F, T, T], elements (0, 1), (0, 2), (2, 2), (1, 0) ->
-    [True, False, True, True].
-    """
-    # off[i]: off-path steps among slots [0, i)
-    off = torch.nn.functional.pad(torch.cumsum(~greedy_steps.bool(), 0), (1, 0))
-    return off[anchor_pos + depth] == off[anchor_pos]
 
 
 def assign_cod_segments(

@@ -148,9 +148,9 @@ class TrainConfig:
     )
     greedy_chains: bool = _opt(
         False,
-        "Train depths >= 1 only on rollouts along the target's greedy path (every reply "
-        "token between anchor and position is the target's argmax): greedy serving verifies "
-        "no other, and sampled replies leave it often.",
+        "Draw the COD rollouts that train depths >= 1 only along the target's greedy path "
+        "(every reply token between anchor and position is the target's argmax): greedy "
+        "serving verifies no other, and sampled replies leave it often.",
     )
     sequence_partitions: int = _opt(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
     total_seq_len: int = _opt(8192, "Tokens per packed row.")

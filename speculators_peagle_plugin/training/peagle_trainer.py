@@ -14,7 +14,7 @@ import torch
 
 from ..core.config import CODConfig, check_int_at_least
 from ..core.peagle_attention import lengths_from_document_ids
-from ..core.peagle_data import generate_cod_sample_indices, on_greedy_path
+from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels.fused_kl import fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
@@ -49,9 +49,10 @@ class PEagleTrainerModule(torch.nn.Module):
         hard_label_weight, tv_weight: the loss beside the KL: the target's argmax mixed into
             its distribution, a total-variation term
             (:func:`~speculators_peagle_plugin.kernels.fused_kl.fused_linear_kl`); 0 = none.
-        greedy_chains: keep depth >= 1 elements only where their rollout follows the
-            target's greedy path (:func:`~speculators_peagle_plugin.core.peagle_data.
-            on_greedy_path`), the only rollouts greedy serving verifies; False keeps all.
+        greedy_chains: draw COD rollouts only along the target's greedy path (every
+            reply token a rollout does not see is the target's argmax; ``path_mask`` of
+            :func:`~speculators_peagle_plugin.core.peagle_data.generate_cod_sample_indices`),
+            the only rollouts greedy serving verifies; False: anywhere.
 
     ``forward(..., peagle_segment=None)`` runs the single flat forward; with
     ``peagle_segment=(plan, i)`` from :meth:`build_peagle_plan` it runs segment
@@ -122,10 +123,9 @@ class PEagleTrainerModule(torch.nn.Module):
     # ---- batch plumbing ------------------------------------------------------
 
     def _sample_row(self, loss_mask_row, doc_row, greedy_row=None):
-        """The row's COD elements ``(anchor_pos, depth)``; with ``greedy_row`` ``[L]``, the
-        depth >= 1 ones off the target's greedy path dropped (their chains' deeper
-        elements are off it too, so every kept element keeps its parent)."""
-        anchor, depth = generate_cod_sample_indices(
+        """The row's COD elements ``(anchor_pos, depth)``; ``greedy_row`` ``[L]`` (from
+        :meth:`greedy_steps`) keeps the rollouts on the target's greedy path."""
+        return generate_cod_sample_indices(
             doc_row.shape[0],
             loss_mask_row,
             self.cod.num_depths,
@@ -134,11 +134,8 @@ class PEagleTrainerModule(torch.nn.Module):
             document_ids=doc_row,
             max_anchors=self.cod.max_anchors,
             generator=self.generator,
+            path_mask=greedy_row,
         )
-        if greedy_row is None:
-            return anchor, depth
-        keep = on_greedy_path(anchor, depth, greedy_row)
-        return anchor[keep], depth[keep]
 
     @torch.no_grad()
     def greedy_steps(
