@@ -155,6 +155,10 @@ def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdi
     assert flat["accuracy_per_depth"] == pytest.approx(split["accuracy_per_depth"], abs=1e-12)
     assert flat["loss"] == pytest.approx(split["loss"], rel=1e-5)
     assert heldout_metrics(late, config, workdir / "data", seed=5) == flat
+    # a recipe that trained on greedy rollouts is still scored on every rollout
+    assert (
+        heldout_metrics(late, replace(config, greedy_chains=True), workdir / "data", seed=5) == flat
+    )
     data = open_training_data(workdir / "data", draft_vocab_size=DRAFT_VOCAB)
     assert flat["supervised"][0] == data.num_loss_tokens
     assert flat["supervised"][0] > flat["supervised"][1] > flat["supervised"][2] > 0
