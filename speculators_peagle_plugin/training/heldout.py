@@ -8,6 +8,7 @@ acceptance follows; it costs one pass over the data instead of an engine per dra
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,11 +47,11 @@ def heldout_metrics(
     device = torch.device(config.device)
     draft = load_reference_draft(checkpoint, config.verifier_name_or_path)
     draft = draft.to(device, getattr(torch, config.dtype))
+    # every rollout is scored, whichever ones the recipe trained on
     module = load_algorithm(config.algorithm).build_trainer(
-        draft, config, mask_token_id=draft.config.mask_token_id
+        draft, replace(config, greedy_chains=False), mask_token_id=draft.config.mask_token_id
     )
     module.eval()
-    module.greedy_chains = False  # score every rollout, whatever the recipe trained on
     data = open_training_data(
         data_path,
         draft_vocab_size=draft.lm_head.out_features,
