@@ -56,12 +56,12 @@ def generated(tmp_path_factory, target):
 
 
 def recording_events(generate):
-    def recording(self, prompts, seed, on_event=None):
+    def recording(self, prompts, seed, on_event=None, record=None):
         def both(event):
             REPLY_EVENTS.append(event)
             on_event(event)
 
-        return generate(self, prompts, seed, both)
+        return generate(self, prompts, seed, both, record)
 
     return recording
 

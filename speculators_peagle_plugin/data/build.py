@@ -17,7 +17,7 @@ from ..common.files import atomic_write, atomic_write_json, remove_stale_tempora
 from ..common.lock import LOCK_FILE, exclusive_directory
 from ..common.reading import read_json
 from .capture import write_hidden_states
-from .capture_vllm import write_hidden_states_vllm
+from .capture_vllm import place_recorded, recording_spec, write_hidden_states_vllm
 from .config import (
     HIDDEN_STATES_DIR,
     RESPONSES_DIR,
@@ -176,7 +176,11 @@ def _write_replies(config: DataGenConfig, output: Path, settings: dict, target, 
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
         remove_stale_temporaries(directory)
     if not ((output / "state.json").exists() and (output / TOKEN_FREQ_FILE).exists()):
-        rows = generate_responses(target, prompts, output)
+        record = None
+        if config.capture_backend == "generation":
+            layer_ids = tuple(settings["target_layer_ids"])
+            record = recording_spec(output, layer_ids, settings["target_num_layers"])
+        rows = generate_responses(target, prompts, output, record)
         _write_dataset(rows, output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
 
@@ -191,8 +195,12 @@ def _generate(config: DataGenConfig, output: Path, settings: dict, target, promp
 
 
 def _write_hidden_states(config: DataGenConfig, target, output: Path, layer_ids, settings) -> None:
-    """From vLLM when asked and it can; from transformers otherwise."""
-    if config.capture_backend == "vllm":
+    """Recorded while generating, then from vLLM when asked and it can; from transformers
+    otherwise."""
+    if config.capture_backend == "generation":
+        shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
+        place_recorded(config, output, shape_tail)
+    if config.capture_backend in ("vllm", "generation"):
         try:
             write_hidden_states_vllm(config, output, layer_ids, settings)
             return

@@ -1,4 +1,5 @@
-"""Hidden states from vLLM: a prefill of each dataset row through vLLM's
+"""Hidden states from vLLM: recorded by the replies' engine as it generates
+(:mod:`.vllm_recorder`, placed here), or a prefill of each dataset row through vLLM's
 ``extract_hidden_states`` speculative method, written by :mod:`.vllm_connector`.
 
 vLLM's aux layer id ``L`` is the residual stream after ``L`` decoder layers (the sum its
@@ -12,17 +13,24 @@ by their token ids (identical rows get identical states) and renamed to ``hs_<i>
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from ..common.files import atomic_write
-from .capture import log_capture, pending_rows
+from .capture import log_capture, pending_rows, save_safetensors
 from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
+from .storage import stored_tensors
 from .vllm_connector import STORAGE_DTYPE_KEY
 
+logger = logging.getLogger(__name__)
+
 STAGING_DIR = ".vllm-capture"  # under hidden_states/: the connector's files before renaming
+RECORDED_DIR = ".generation"  # under hidden_states/: the replies' engine's recorded states
 CAPTURE_LOG_FILE = "vllm-capture.log"
 
 
@@ -137,3 +145,50 @@ def write_hidden_states_vllm(
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     log_capture(len(todo), tokens, start, "vLLM")
     return len(todo)
+
+
+def recording_spec(output: Path, layer_ids: tuple[int, ...], num_layers: int) -> dict:
+    """What the replies' engine records (:class:`~.vllm_recorder.HiddenStatesRecorder`):
+    the aux layers and the final residual stream (id ``num_layers``) of every row."""
+    from .config import HIDDEN_STATES_DIR
+
+    staging = (output / HIDDEN_STATES_DIR / RECORDED_DIR).absolute()
+    return {"dir": str(staging), "layer_ids": [*layer_ids, num_layers]}
+
+
+def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, int]) -> int:
+    """Write ``hs_<i>`` of every row still without states whose tokens the replies' engine
+    recorded, in ``config``'s storage format. Returns the number of rows written.
+
+    A recording holds every token of a row but the last, which the engine sampled and never
+    fed back: its slot gets zeros, which nothing reads, since the row has no loss on that
+    token (the slot would hold the target's distribution after the reply). A recording is
+    matched to rows by its token ids, like the connector's files.
+    """
+    from safetensors.torch import load_file
+
+    from .config import HIDDEN_STATES_DIR
+
+    staging = output / HIDDEN_STATES_DIR / RECORDED_DIR
+    if not staging.is_dir():
+        return 0
+    dataset, hs_dir, todo = pending_rows(output, shape_tail)
+    wanted: dict[tuple[int, ...], list[int]] = {}
+    for i in todo:
+        wanted.setdefault(tuple(dataset[i]["input_ids"][:-1]), []).append(i)
+    placed = 0
+    for path in sorted(staging.glob("*.safetensors")):
+        recorded = load_file(path)
+        for i in wanted.pop(tuple(recorded["token_ids"].tolist()), []):
+            states = recorded["hidden_states"]
+            states = torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
+            ids = torch.tensor(dataset[i]["input_ids"], dtype=torch.long)
+            tensors = stored_tensors(states, ids, config.storage_dtype)
+            atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: save_safetensors(t, tmp))
+            placed += 1
+    shutil.rmtree(staging)
+    logger.info(
+        "The replies' engine recorded the hidden states of %d of %d rows; %d left to a "
+        "capture pass.", placed, len(todo), len(todo) - placed,
+    )  # fmt: skip
+    return placed

@@ -39,6 +39,8 @@ RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation
 TOKEN_FREQ_FILE = "token_freq.pt"
 VLLM_LOG_FILE = "vllm.log"
 BACKENDS = ("transformers", "vllm")
+# what computes the hidden states: a pass over the rows (a backend), or the replies' engine
+STATE_SOURCES = (*BACKENDS, "generation")
 STORAGE_DTYPES = ("target", "float8")  # float8: hs_connectors' 8-bit format (data/storage.py)
 # vLLM keeps batch_size requests in flight over a whole resume shard (continuous batching), so
 # a shard of several batches wastes less time on the tail of its longest replies.
@@ -85,8 +87,13 @@ class DataGenConfig:
             had not finished.
         hidden_states_from: what computes the hidden states: ``vllm`` (a prefill of each row
             through vLLM's ``extract_hidden_states`` method; where vLLM cannot, the
-            transformers pass runs instead and the log says why) or ``transformers`` (one
-            forward per row, rows sharing a prompt share its forward). None = the backend.
+            transformers pass runs instead and the log says why), ``transformers`` (one
+            forward per row, rows sharing a prompt share its forward) or ``generation``
+            (``--backend vllm`` only: the replies' engine records the states of every token
+            it computes, :mod:`.vllm_recorder`, so no second pass runs; a reply's last token
+            is never fed back, so it has no state and its row no loss on it, a target
+            distribution after the reply that serving never asks for; rows it could not
+            record go to the ``vllm`` pass). None = the backend.
         hidden_states_dtype: ``target`` stores them in ``dtype``; ``float8`` in hs_connectors'
             8-bit format (float8_e4m3fn, one float32 scale per token), read back dequantized.
         tensor_parallel_size: vLLM's tensor parallel size (GPUs per engine).
@@ -120,8 +127,9 @@ class DataGenConfig:
     hidden_states_from: str | None = _opt(
         None,
         "What computes the hidden states (vllm falls back to transformers where it cannot, "
-        "and logs why).",
-        choices=BACKENDS,
+        "and logs why; generation: the replies' vLLM engine records them as it generates, "
+        "no second pass; the reply's last token then has no state and no loss).",
+        choices=STATE_SOURCES,
         show="as --backend",
     )
     hidden_states_dtype: str = _opt(
@@ -162,10 +170,15 @@ class DataGenConfig:
             check_int_at_least("kv_cache_gb", self.kv_cache_gb, 1)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
-        if self.hidden_states_from not in (None, *BACKENDS):
+        if self.hidden_states_from not in (None, *STATE_SOURCES):
             raise ValueError(
-                f"hidden_states_from must be one of {', '.join(BACKENDS)}, "
+                f"hidden_states_from must be one of {', '.join(STATE_SOURCES)}, "
                 f"got {self.hidden_states_from!r}."
+            )
+        if self.hidden_states_from == "generation" and self.backend != "vllm":
+            raise ValueError(
+                "hidden_states_from generation records the states in the replies' vLLM "
+                f"engine, so it needs backend vllm, got backend {self.backend!r}."
             )
         if self.hidden_states_dtype not in STORAGE_DTYPES:
             raise ValueError(

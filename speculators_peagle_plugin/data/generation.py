@@ -47,6 +47,7 @@ class Target:
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.eos_ids[0] if pad is None else pad
         self.vllm = None  # a running VllmWorker while the vllm backend generates
+        self.record_error: str | None = None  # why vLLM could not record states, once it said
 
     @cached_property
     def model(self):
@@ -81,28 +82,48 @@ class Target:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], seed: int, on_event: Callable[[dict], None] | None = None
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        on_event: Callable[[dict], None] | None = None,
+        record: dict | None = None,
     ) -> list[list[int]]:
         """Completions of a batch of prompts, each cut after its first EOS.
 
         ``seed`` seeds transformers' sampling; vLLM samples from its engine seed. On vLLM,
         ``on_event`` receives the worker's event after every finished request
-        (:meth:`~..serving.vllm_client.VllmWorker.run`).
+        (:meth:`~..serving.vllm_client.VllmWorker.run`), and ``record`` (a
+        :class:`~.vllm_recorder.HiddenStatesRecorder` spec) has the engine record the hidden
+        states of every token it computes; an engine that cannot record says why in the
+        log once, and generates as usual.
         """
         from transformers import GenerationConfig
 
         cfg = self.config
         if self.vllm is not None:
             from ..serving.vllm_client import VllmJob
+            from .vllm_recorder import RECORDER
 
+            record = record if self.record_error is None else None
+            overrides = {"tensor_parallel_size": cfg.tensor_parallel_size}
+            if record:
+                overrides["worker_extension_cls"] = RECORDER
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
-                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
+                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p,
+                # a cached prefix is not computed again, so a recording would miss its states
+                prefix_caching=not record, engine_overrides=overrides,
+                record_hidden_states=record or {},
             )  # fmt: skip
-            outputs = self.vllm.run(job, on_event)["outputs"]
-            return [completion_tokens(out, self.eos_ids) for out in outputs]
+            result = self.vllm.run(job, on_event)
+            if record and (result["recording"] or {}).get("error"):
+                self.record_error = result["recording"]["error"]
+                logger.warning(
+                    "vLLM could not record the hidden states while generating (%s); a "
+                    "second pass will capture them.", self.record_error,
+                )  # fmt: skip
+            return [completion_tokens(out, self.eos_ids) for out in result["outputs"]]
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -151,14 +172,17 @@ def completion_tokens(generated: list[int], eos_ids: list[int]) -> list[int]:
     return generated
 
 
-def _regenerate(target: Target, conversations: list[list[dict]], seed: int, on_event=None):
+def _regenerate(
+    target: Target, conversations: list[list[dict]], seed: int, on_event=None, record=None
+):
     """Regenerate every assistant turn of a batch of conversations, turn by turn.
 
     Like speculators' ``regenerate-responses``: each user turn gets the target's reply to the
     conversation so far (with its own earlier replies), and each reply is one boundary row
-    (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply).
+    (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply; with
+    ``record``, 0 on the reply's last token too, which has no recorded state).
     Returns ``(rows, generated_tokens)``; ``rows[k]`` lists conversation k's rows.
-    ``on_event`` as in :meth:`Target.generate`.
+    ``on_event`` and ``record`` as in :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
@@ -176,9 +200,11 @@ def _regenerate(target: Target, conversations: list[list[dict]], seed: int, on_e
             del turns[: users[0] + 1]
             active.append(k)
             prompts.append(target.prompt_ids(history[k]))
-        replies = target.generate(prompts, mix_seed(seed, round_index), on_event)
+        replies = target.generate(prompts, mix_seed(seed, round_index), on_event, record)
         for k, prompt, reply in zip(active, prompts, replies, strict=True):
             input_ids, loss_mask = build_boundary_sample(prompt, reply)
+            if record:
+                loss_mask[-1] = 0
             rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
             history[k].append({"role": "assistant", "content": target.decode_reply(reply)})
             generated += len(reply)
@@ -197,10 +223,13 @@ def _done_shards(responses: Path) -> dict[int, list[dict]]:
     return done
 
 
-def generate_responses(target: Target, prompts: list[list[dict]], output: Path) -> list[dict]:
+def generate_responses(
+    target: Target, prompts: list[list[dict]], output: Path, record: dict | None = None
+) -> list[dict]:
     """The target's replies to every prompt; resumable per shard. Rows in prompt order.
 
     With ``num_samples`` n, prompt i is conversation ``i // n`` (its ``i % n``-th sample).
+    ``record`` as in :meth:`Target.generate`.
     """
     from tqdm import tqdm
 
@@ -227,7 +256,7 @@ def generate_responses(target: Target, prompts: list[list[dict]], output: Path) 
         for b in range(0, len(todo), shard_size):
             batch = todo[b : b + shard_size]
             rows, generated = _regenerate(
-                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0]), live
+                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0]), live, record
             )
             shard = {str(i): r for i, r in zip(batch, rows, strict=True)}
             shard_path = responses / f"{batch[0]:09d}-{batch[-1]:09d}.json"

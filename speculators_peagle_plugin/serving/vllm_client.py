@@ -40,6 +40,9 @@ class VllmJob:
         speculative_overrides: merged into vLLM's speculative config.
         engine_overrides: more ``LLM(...)`` arguments (e.g. ``tensor_parallel_size``, or
             the ``speculative_config`` and ``kv_transfer_config`` of a hidden-state capture).
+        record_hidden_states: the spec of a recording of the hidden states of every token
+            the engine computes (:class:`~..data.vllm_recorder.HiddenStatesRecorder`; the
+            engine needs ``worker_extension_cls`` set to it); empty: no recording.
 
     Consecutive jobs with the same engine settings reuse the worker's engine.
     """
@@ -61,6 +64,7 @@ class VllmJob:
     prefix_caching: bool = False
     speculative_overrides: dict = field(default_factory=dict)
     engine_overrides: dict = field(default_factory=dict)
+    record_hidden_states: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """The job as the worker's protocol carries it (a JSON object)."""

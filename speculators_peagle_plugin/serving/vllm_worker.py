@@ -154,9 +154,12 @@ class Worker:
                 }
             )
 
+        recording = _start_recording(llm, job.record_hidden_states)
         drive(engine, requests, params, job.batch_size, on_finished)
         if job.engine_overrides.get("kv_transfer_config"):
             _flush_kv_connector(engine)
+        if recording is None and job.record_hidden_states:
+            recording = llm.collective_rpc("stop_recording")[0]
         wall = time.perf_counter() - start
         ordered = [outputs[i] for i in ids]
         return {
@@ -170,7 +173,20 @@ class Worker:
             "time_per_output_token_s": [tpot[i] for i in ids],
             "accepted_histograms": [histograms[i] for i in ids] if has_draft else None,
             "outputs": ordered,
+            "recording": recording,
         }
+
+
+def _start_recording(llm, spec: dict) -> dict | None:
+    """Start the engine's hidden-state recorder for a job that asks for one: None when it
+    records (or none was asked for), else ``{"error": why this engine cannot}``."""
+    if not spec:
+        return None
+    reasons = [r for r in llm.collective_rpc("start_recording", args=(spec,)) if r]
+    if reasons:
+        llm.collective_rpc("stop_recording")  # ranks that did start
+        return {"error": reasons[0]}
+    return None
 
 
 def _time_per_output_token(stats) -> float | None:

@@ -1,0 +1,218 @@
+"""Hidden states recorded by the replies' vLLM engine (``--hidden-states-from generation``)
+on the tiny vLLM target: every token but the reply's last has the transformers capture's
+state, the last has zeros and no loss, no second pass runs, and the data trains.
+
+Oracle: :func:`capture_hidden_states` (transformers, aux ``hidden_states[L]`` + the final
+norm's input) on each written row, in float32. One generate-data run per module, with two
+requests in flight for seven conversations (requests finish while others still decode) and
+one conversation of two user turns (its second reply's prompt holds the first).
+"""
+
+import json
+import logging
+
+import pytest
+import torch
+from click.testing import CliRunner
+from datasets import load_from_disk
+from safetensors.torch import load_file
+from test_capture_vllm import no_transformers_capture
+from tiny_vllm import LAYER_IDS, PROMPTS
+from transformers import AutoModelForCausalLM
+
+from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.data import build, capture_hidden_states
+from speculators_peagle_plugin.data.capture import pending_rows
+from speculators_peagle_plugin.data.capture_vllm import RECORDED_DIR
+from speculators_peagle_plugin.data.generation import Target
+from speculators_peagle_plugin.data.vllm_recorder import _Recording
+from speculators_peagle_plugin.serving.vllm_worker import _start_recording
+
+pytestmark = pytest.mark.slow
+
+
+def nothing_left(config, output, layer_ids, settings):
+    """The vLLM capture pass's stand-in: every row must have its states already."""
+    shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
+    left = pending_rows(output, shape_tail)[2]
+    assert not left, f"the replies' engine recorded no states for rows {left}"
+    return 0
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("recorded")
+    prompts = root / "prompts.jsonl"
+    two_turns = {
+        "messages": [
+            {"role": "user", "content": PROMPTS[5]},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": PROMPTS[6]},
+        ]
+    }
+    rows = [*({"prompt": p} for p in PROMPTS[:3]), two_turns]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    args = [
+        "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
+        str(root / "data"), "--backend", "vllm", "--hidden-states-from", "generation",
+        "--max-new-tokens", "16", "--batch-size", "2", "--temperature", "0.8",
+        "--num-samples", "2", "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
+        "--draft-vocab-size", "64", "--kv-cache-gb", "1",
+    ]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        patch.setattr(build, "write_hidden_states_vllm", nothing_left)
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+def test_recorded_states_equal_the_transformers_capture(recorded, reference):
+    assert not (recorded / "hidden_states" / RECORDED_DIR).exists()
+    dataset = load_from_disk(str(recorded))
+    assert len(dataset) == 10  # 3 prompts x 2 samples + 1 conversation x 2 samples x 2 turns
+    longest_prompt = 0
+    for i in range(len(dataset)):
+        ids = torch.as_tensor(dataset[i]["input_ids"])
+        mask = torch.as_tensor(dataset[i]["loss_mask"]).tolist()
+        written = load_file(recorded / "hidden_states" / f"hs_{i}.safetensors")
+        assert torch.equal(written["token_ids"], ids)
+        expected = capture_hidden_states(reference, ids, LAYER_IDS)
+        assert written["hidden_states"].shape == expected.shape == (len(ids), 4, 128)
+        # the reply's last token was sampled, never fed back: zeros, and no loss on it
+        torch.testing.assert_close(
+            written["hidden_states"][:-1], expected[:-1], atol=1e-4, rtol=1e-4
+        )
+        assert not written["hidden_states"][-1].any()
+        reply = mask.index(1)
+        assert mask == [0] * reply + [1] * (len(ids) - reply - 1) + [0]
+        longest_prompt = max(longest_prompt, reply)
+    assert longest_prompt > 40  # the second turn's prompt holds the first turn
+
+
+def test_recorded_data_trains(recorded, target, tmp_path):
+    save = tmp_path / "ckpt"
+    result = CliRunner().invoke(
+        main,
+        [
+            "train", "--verifier-name-or-path", str(target), "--data-path", str(recorded),
+            "--save-path", str(save), "--draft-vocab-size", "64", "--num-depths", "3",
+            "--total-seq-len", "128", "--max-steps", "2",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert any(save.rglob("config.json"))
+
+
+def test_generation_needs_the_vllm_backend(target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
+            str(tmp_path / "out"), "--hidden-states-from", "generation",
+        ],
+    )  # fmt: skip
+    assert result.exit_code != 0
+    assert "needs backend vllm" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+class FakeLLM:
+    def __init__(self, reasons):
+        self.reasons, self.calls = reasons, []
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return self.reasons if method == "start_recording" else [{"written": 0}]
+
+
+def test_an_engine_that_cannot_record_says_why_and_generates():
+    llm = FakeLLM([None, "the engine caches prefixes"])
+    assert _start_recording(llm, {"dir": "d", "layer_ids": [1]}) == {
+        "error": "the engine caches prefixes"
+    }
+    assert llm.calls == ["start_recording", "stop_recording"]
+    llm = FakeLLM([None, None])
+    assert _start_recording(llm, {"dir": "d", "layer_ids": [1]}) is None
+    assert _start_recording(llm, {}) is None and llm.calls == ["start_recording"]
+
+
+def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_path, caplog):
+    class FakeWorker:
+        def __init__(self):
+            self.jobs = []
+
+        def run(self, job, on_event=None):
+            self.jobs.append(job)
+            error = {"error": "no layers to hook"} if job.record_hidden_states else None
+            return {"outputs": [[5, 2] for _ in job.prompts], "recording": error}
+
+    from speculators_peagle_plugin.data.config import DataGenConfig
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    config = DataGenConfig(
+        target=str(target), prompts=str(prompts), output=str(tmp_path / "out"),
+        backend="vllm", hidden_states_from="generation",
+    )  # fmt: skip
+    model = Target(config)
+    model.vllm = FakeWorker()
+    record = {"dir": str(tmp_path / "rec"), "layer_ids": [1, 4]}
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert model.generate([[1, 2, 3]], 0, None, record) == [[5, 2]]
+    first, second = model.vllm.jobs
+    assert first.record_hidden_states == record and not first.prefix_caching
+    assert "worker_extension_cls" in first.engine_overrides
+    assert second.record_hidden_states == {} and second.prefix_caching  # asked once only
+    assert sum("could not record" in r.message for r in caplog.records) == 1
+
+
+def recording_of(chunks: dict, tmp_path) -> _Recording:
+    recording = object.__new__(_Recording)  # no runner: only the buffers and the write
+    recording.out_dir, recording.write, recording.chunks = tmp_path, True, chunks
+    recording.written = recording.incomplete = 0
+    return recording
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_request_computed_again_keeps_its_latest_states(tmp_path, seed):
+    gen = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(3, 12, (1,), generator=gen))
+    ids = torch.randint(0, 100, (length,), generator=gen)
+    old = torch.randn(length, 2, 4, generator=gen)
+    new = torch.randn(length, 2, 4, generator=gen)
+    cut = int(torch.randint(1, length, (1,), generator=gen))
+
+    def chunk(a, b, states):
+        return torch.arange(a, b), ids[a:b], states[a:b]
+
+    # prefill and decode steps, a preemption, then the whole request computed again in
+    # chunks (chunked prefill) and decoded on
+    chunks = [chunk(0, cut, old), chunk(cut, length, old), chunk(0, 1, new)]
+    chunks += [chunk(1, cut, new)] if cut > 1 else []  # an engine step never has 0 tokens
+    chunks += [chunk(p, p + 1, new) for p in range(cut, length)]
+    recording = recording_of({"req-1": chunks}, tmp_path)
+    recording.finish("req-1")
+    written = load_file(tmp_path / "req-1.safetensors")
+    assert torch.equal(written["hidden_states"], new)
+    assert torch.equal(written["token_ids"], ids)
+    assert recording.written == 1 and recording.chunks == {}
+
+
+def test_a_request_with_uncomputed_positions_is_left_to_the_capture_pass(tmp_path):
+    states = torch.randn(6, 2, 4)
+    ids = torch.arange(6)
+    chunks = [(torch.arange(3, 6), ids[3:], states[3:])]  # 0..2 came from a cached prefix
+    recording = recording_of({"a/b": chunks}, tmp_path)
+    recording.finish("a/b")
+    recording.finish("never-seen")
+    assert recording.incomplete == 1 and recording.written == 0
+    assert list(tmp_path.iterdir()) == []
