@@ -3,9 +3,11 @@ on the tiny vLLM target: every token but the reply's last has the transformers c
 state, the last has zeros and no loss, no second pass runs, and the data trains.
 
 Oracle: :func:`capture_hidden_states` (transformers, aux ``hidden_states[L]`` + the final
-norm's input) on each written row, in float32. One generate-data run per module, with two
-requests in flight for seven conversations (requests finish while others still decode) and
-one conversation of two user turns (its second reply's prompt holds the first).
+norm's input) on each written row, in float32. One generate-data run per module: 3 samples
+of each prompt with two requests in flight (requests finish while others still decode, and
+a prompt's third sample finds its first blocks in vLLM's prefix cache: prompts longer than
+a 128-token block), and one conversation of two user turns (its second prompt holds the
+first turn).
 """
 
 import json
@@ -25,7 +27,7 @@ from speculators_peagle_plugin.data import build, capture_hidden_states
 from speculators_peagle_plugin.data.capture import pending_rows
 from speculators_peagle_plugin.data.capture_vllm import RECORDED_DIR
 from speculators_peagle_plugin.data.generation import Target
-from speculators_peagle_plugin.data.vllm_recorder import _Recording
+from speculators_peagle_plugin.data.vllm_recorder import FIRST_COMPUTED_KEY, _Recording
 from speculators_peagle_plugin.serving.vllm_worker import _start_recording
 
 pytestmark = pytest.mark.slow
@@ -50,21 +52,36 @@ def recorded(tmp_path_factory, target):
             {"role": "user", "content": PROMPTS[6]},
         ]
     }
-    rows = [*({"prompt": p} for p in PROMPTS[:3]), two_turns]
+    # byte tokens: 2 prompts longer than one 128-token KV block, so that samples share blocks
+    long = [" ".join(PROMPTS[:6]), " ".join(PROMPTS[2:8])]
+    rows = [*({"prompt": p} for p in [PROMPTS[0], *long]), two_turns]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     args = [
         "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
         str(root / "data"), "--backend", "vllm", "--hidden-states-from", "generation",
         "--max-new-tokens", "16", "--batch-size", "2", "--temperature", "0.8",
-        "--num-samples", "2", "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
+        "--num-samples", "3", "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
         "--draft-vocab-size", "64", "--kv-cache-gb", "1",
     ]  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "write_hidden_states", no_transformers_capture)
         patch.setattr(build, "write_hidden_states_vllm", nothing_left)
+        patch.setattr(build, "place_recorded", noting_cached_prefixes(build.place_recorded))
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return root / "data"
+
+
+FIRST_COMPUTED: list[int] = []  # per recording: where its computed states start
+
+
+def noting_cached_prefixes(place):
+    def noting(config, output, shape_tail):
+        for path in (output / "hidden_states" / RECORDED_DIR).glob("*.safetensors"):
+            FIRST_COMPUTED.append(int(load_file(path)[FIRST_COMPUTED_KEY][0]))
+        return place(config, output, shape_tail)
+
+    return noting
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +92,9 @@ def reference(target):
 def test_recorded_states_equal_the_transformers_capture(recorded, reference):
     assert not (recorded / "hidden_states" / RECORDED_DIR).exists()
     dataset = load_from_disk(str(recorded))
-    assert len(dataset) == 10  # 3 prompts x 2 samples + 1 conversation x 2 samples x 2 turns
+    assert len(dataset) == 15  # 3 prompts x 3 samples + 1 conversation x 3 samples x 2 turns
+    # some samples found their prompt's first block cached and borrowed its states
+    assert len(FIRST_COMPUTED) == 15 and sorted(set(FIRST_COMPUTED))[:2] == [0, 128]
     longest_prompt = 0
     for i in range(len(dataset)):
         ids = torch.as_tensor(dataset[i]["input_ids"])
@@ -92,7 +111,7 @@ def test_recorded_states_equal_the_transformers_capture(recorded, reference):
         reply = mask.index(1)
         assert mask == [0] * reply + [1] * (len(ids) - reply - 1) + [0]
         longest_prompt = max(longest_prompt, reply)
-    assert longest_prompt > 40  # the second turn's prompt holds the first turn
+    assert longest_prompt > 128
 
 
 def test_recorded_data_trains(recorded, target, tmp_path):
@@ -169,15 +188,17 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
         for _ in range(2):
             assert model.generate([[1, 2, 3]], 0, None, record) == [[5, 2]]
     first, second = model.vllm.jobs
-    assert first.record_hidden_states == record and not first.prefix_caching
+    assert first.record_hidden_states == record and first.prefix_caching
     assert "worker_extension_cls" in first.engine_overrides
-    assert second.record_hidden_states == {} and second.prefix_caching  # asked once only
+    assert second.record_hidden_states == {}  # asked once only
+    assert "worker_extension_cls" not in second.engine_overrides
     assert sum("could not record" in r.message for r in caplog.records) == 1
 
 
-def recording_of(chunks: dict, tmp_path) -> _Recording:
+def recording_of(chunks: dict, tmp_path, prefixes=None) -> _Recording:
     recording = object.__new__(_Recording)  # no runner: only the buffers and the write
     recording.out_dir, recording.write, recording.chunks = tmp_path, True, chunks
+    recording.prefixes = prefixes or {r: torch.zeros(0, dtype=torch.long) for r in chunks}
     recording.written = recording.incomplete = 0
     return recording
 
@@ -204,14 +225,27 @@ def test_a_request_computed_again_keeps_its_latest_states(tmp_path, seed):
     written = load_file(tmp_path / "req-1.safetensors")
     assert torch.equal(written["hidden_states"], new)
     assert torch.equal(written["token_ids"], ids)
-    assert recording.written == 1 and recording.chunks == {}
+    assert written[FIRST_COMPUTED_KEY].tolist() == [0]
+    assert recording.written == 1 and recording.chunks == {} and recording.prefixes == {}
+
+
+def test_a_cached_prefix_is_written_as_zeros_with_its_token_ids(tmp_path):
+    states, ids = torch.randn(7, 2, 4), torch.arange(10, 17)
+    chunks = [(torch.arange(4, 6), ids[4:6], states[4:6]), (torch.tensor([6]), ids[6:], states[6:])]
+    recording = recording_of({"r": chunks}, tmp_path, prefixes={"r": ids[:4]})
+    recording.finish("r")
+    written = load_file(tmp_path / "r.safetensors")
+    assert written[FIRST_COMPUTED_KEY].tolist() == [4]
+    assert torch.equal(written["token_ids"], ids)
+    assert not written["hidden_states"][:4].any()
+    assert torch.equal(written["hidden_states"][4:], states[4:])
 
 
 def test_a_request_with_uncomputed_positions_is_left_to_the_capture_pass(tmp_path):
     states = torch.randn(6, 2, 4)
     ids = torch.arange(6)
-    chunks = [(torch.arange(3, 6), ids[3:], states[3:])]  # 0..2 came from a cached prefix
-    recording = recording_of({"a/b": chunks}, tmp_path)
+    chunks = [(torch.arange(3, 6), ids[3:], states[3:])]  # 0..2: neither computed nor cached
+    recording = recording_of({"a/b": chunks}, tmp_path, prefixes={"a/b": ids[:2]})
     recording.finish("a/b")
     recording.finish("never-seen")
     assert recording.incomplete == 1 and recording.written == 0

@@ -162,12 +162,17 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
 
     A recording holds every token of a row but the last, which the engine sampled and never
     fed back: its slot gets zeros, which nothing reads, since the row has no loss on that
-    token (the slot would hold the target's distribution after the reply). A recording is
-    matched to rows by its token ids, like the connector's files.
+    token (the slot would hold the target's distribution after the reply). A recording whose
+    prompt began with a prefix vLLM had cached gets that prefix's states from a recording that
+    computed them: recordings go in the order of their first computed position, so the one
+    that computed a prefix (which starts earlier) is complete before any that borrows it.
+    A recording is matched to rows by its token ids, like the connector's files.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from .config import HIDDEN_STATES_DIR
+    from .vllm_recorder import FIRST_COMPUTED_KEY
 
     staging = output / HIDDEN_STATES_DIR / RECORDED_DIR
     if not staging.is_dir():
@@ -176,14 +181,30 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
     wanted: dict[tuple[int, ...], list[int]] = {}
     for i in todo:
         wanted.setdefault(tuple(dataset[i]["input_ids"][:-1]), []).append(i)
+    heads = []  # (first computed position, file, token ids)
+    for path in staging.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as fh:
+            first = int(fh.get_tensor(FIRST_COMPUTED_KEY)[0])
+            heads.append((first, path, fh.get_tensor("token_ids").tolist()))
+    borrowed = {(first, tuple(ids[:first])) for first, _, ids in heads if first}
+    lengths = sorted({first for first, _ in borrowed})
+    prefixes: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # -> states [first, n, H]
     placed = 0
-    for path in sorted(staging.glob("*.safetensors")):
-        recorded = load_file(path)
-        for i in wanted.pop(tuple(recorded["token_ids"].tolist()), []):
-            states = recorded["hidden_states"]
-            states = torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
-            ids = torch.tensor(dataset[i]["input_ids"], dtype=torch.long)
-            tensors = stored_tensors(states, ids, config.storage_dtype)
+    for first, path, ids in sorted(heads, key=lambda head: (head[0], head[1].name)):
+        states = load_file(path)["hidden_states"]
+        if first:
+            source = prefixes.get((first, tuple(ids[:first])))
+            if source is None:
+                continue  # no recording computed this prefix: left to a capture pass
+            states[:first] = source
+        for k in lengths:
+            key = (k, tuple(ids[:k]))
+            if k <= len(ids) and key in borrowed and key not in prefixes:
+                prefixes[key] = states[:k]
+        for i in wanted.pop(tuple(ids), []):
+            states_row = torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
+            ids_row = torch.tensor(dataset[i]["input_ids"], dtype=torch.long)
+            tensors = stored_tensors(states_row, ids_row, config.storage_dtype)
             atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: save_safetensors(t, tmp))
             placed += 1
     shutil.rmtree(staging)

@@ -111,10 +111,8 @@ class Target:
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p,
-                # a cached prefix is not computed again, so a recording would miss its states
-                prefix_caching=not record, engine_overrides=overrides,
-                record_hidden_states=record or {},
+                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
+                engine_overrides=overrides, record_hidden_states=record or {},
             )  # fmt: skip
             result = self.vllm.run(job, on_event)
             if record and (result["recording"] or {}).get("error"):

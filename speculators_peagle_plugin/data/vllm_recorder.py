@@ -9,13 +9,15 @@ sum ``hidden_states + residual`` after ``L`` decoder layers (transformers'
 norm. So ``(*layer_ids, N)`` gives the ``[seq, n_aux+1, H]`` of :mod:`.capture`.
 
 When a request finishes, its states go to ``<dir>/<request id>.safetensors`` as
-``{"hidden_states": [seq, n, H], "token_ids": [seq]}`` in the engine's dtype, written under
-a temporary name and renamed. ``seq`` is every token but the reply's last: the engine samples
-that one and the request ends, so it is never fed back and has no state
-(:func:`~.capture_vllm.place_recorded` completes the row).
+``{"hidden_states": [seq, n, H], "token_ids": [seq], "first_computed": [1]}`` in the engine's
+dtype, written under a temporary name and renamed. ``seq`` is every token but the reply's
+last: the engine samples that one and the request ends, so it is never fed back and has no
+state. A prompt prefix that vLLM found in its prefix cache is not computed again either: its
+slots hold zeros, ``first_computed`` says where the computed ones start, and
+:func:`~.capture_vllm.place_recorded` copies them from the request that computed the prefix
+(the same tokens at the same positions have the same states).
 
-Needs eager execution (hooks do not run inside a compiled graph), no prefix caching (a
-cached block is not computed again: its tokens would have no states) and one pipeline stage.
+Needs eager execution (hooks do not run inside a compiled graph) and one pipeline stage.
 Under tensor parallelism the residual stream is whole on every rank; rank 0 writes.
 
 Legend: ``T`` = tokens of one engine step (all requests), ``n`` = recorded layers.
@@ -35,6 +37,7 @@ from .capture import save_safetensors
 logger = logging.getLogger(__name__)
 
 RECORDER = f"{__name__}.HiddenStatesRecorder"
+FIRST_COMPUTED_KEY = "first_computed"  # [1]: the first position whose states were computed
 
 
 class _Recording:
@@ -48,6 +51,7 @@ class _Recording:
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # input_ids, positions
         # request id -> chunks of (positions [t], token ids [t], states [t, n, H])
         self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.prefixes: dict[str, torch.Tensor] = {}  # request id -> token ids it found cached
         self.written = self.incomplete = 0
         self.handles = [
             runner.model.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -94,8 +98,11 @@ class _Recording:
         states = torch.stack([self.step[i][:num_tokens] for i in self.layer_ids], dim=1).cpu()
         for r, req_id in enumerate(batch.req_ids[:num_reqs]):
             a, b = starts[r], starts[r + 1]
-            chunk = (positions[a:b], input_ids[a:b], states[a:b].clone())
-            self.chunks.setdefault(req_id, []).append(chunk)
+            if req_id not in self.chunks:  # its first step starts after its cached prefix
+                prompt = self.runner.requests[req_id].prompt_token_ids
+                self.prefixes[req_id] = torch.tensor(prompt[: int(positions[a])], dtype=torch.long)
+                self.chunks[req_id] = []
+            self.chunks[req_id].append((positions[a:b], input_ids[a:b], states[a:b].clone()))
         self.inputs, self.step = None, {}
 
     def _execute_model(self, scheduler_output, *args, **kwargs):
@@ -104,23 +111,30 @@ class _Recording:
         return self.execute_model(scheduler_output, *args, **kwargs)
 
     def finish(self, req_id: str) -> None:
-        """Write ``req_id``'s states if every position from 0 on was computed."""
+        """Write ``req_id``'s states if every position after its cached prefix was computed."""
         chunks = self.chunks.pop(req_id, None)
+        prefix = self.prefixes.pop(req_id, None)
         if not chunks or not self.write:
             return
         length = 1 + max(int(p.max()) for p, _, _ in chunks)
-        first = chunks[0][2]
-        states = first.new_zeros((length, *first.shape[1:]))
+        sample = chunks[0][2]
+        states = sample.new_zeros((length, *sample.shape[1:]))
         token_ids = torch.zeros(length, dtype=torch.long)
+        token_ids[: len(prefix)] = prefix
         computed = torch.zeros(length, dtype=torch.bool)
         # In order, so a request computed again after a preemption keeps its latest states.
         for positions, ids, chunk in chunks:
             states[positions], token_ids[positions], computed[positions] = chunk, ids, True
-        if not bool(computed.all()):
-            self.incomplete += 1  # e.g. a cached prefix: left to the capture pass
+        first = int(computed.int().argmax())
+        if first > len(prefix) or not bool(computed[first:].all()):
+            self.incomplete += 1  # tokens neither computed nor cached: left to a capture pass
             return
         path = self.out_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', req_id)}.safetensors"
-        tensors = {"hidden_states": states.contiguous(), "token_ids": token_ids}
+        tensors = {
+            "hidden_states": states.contiguous(),
+            "token_ids": token_ids,
+            FIRST_COMPUTED_KEY: torch.tensor([first]),
+        }
         atomic_write(path, lambda tmp: save_safetensors(tensors, tmp))
         self.written += 1
 
@@ -150,8 +164,6 @@ class HiddenStatesRecorder:
         config = self.model_runner.vllm_config
         if config.compilation_config.mode != CompilationMode.NONE:
             return "the engine runs a compiled model (hooks need enforce_eager=True)"
-        if config.cache_config.enable_prefix_caching:
-            return "the engine caches prefixes (cached tokens are never computed again)"
         if get_pp_group().world_size > 1:
             return "the engine runs pipeline parallel (a rank holds only some layers)"
         model = self.model_runner.model
