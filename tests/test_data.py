@@ -253,11 +253,11 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
     real = gen_mod._regenerate
     calls = []
 
-    def interrupted(target, conversations, seed, on_event=None):
+    def interrupted(target, conversations, seed, on_event=None, record=None):
         calls.append(len(conversations))
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(target, conversations, seed, on_event)
+        return real(target, conversations, seed, on_event, record)
 
     monkeypatch.setattr(gen_mod, "_regenerate", interrupted)
     with pytest.raises(KeyboardInterrupt):
