@@ -67,6 +67,10 @@ def test_bytes_per_token_and_token_bound_by_hand():
     assert token_bound([[10], [12, 30]], 100, 2) == 2 * ((10 + 100) + (12 + 100) + (30 + 200))
     estimate = StorageEstimate(bytes_per_token=100, tokens=50, existing_bytes=1200)
     assert (estimate.total_bytes, estimate.needed_bytes) == (5000, 3800)
+    # float8 files of states recorded in bfloat16 while generating: the recordings set the peak
+    staged = StorageEstimate(100, 50, 1200, staged_bytes_per_token=180)
+    assert (staged.total_bytes, staged.needed_bytes) == (5000, 180 * 50 - 1200)
+    assert "at the peak" in staged.summary() and "at the peak" not in estimate.summary()
 
 
 @pytest.fixture(scope="module")

@@ -168,26 +168,28 @@ def _output_of(config: DataGenConfig):
         yield settings, Target(config), prompts
 
 
-def _write_replies(config: DataGenConfig, output: Path, settings: dict, target, prompts) -> None:
+def _write_replies(
+    config: DataGenConfig, output: Path, settings: dict, target, prompts, record=None
+) -> None:
     """Phases 1 and 2: the target's replies (resumable per shard), then the Arrow dataset and
-    ``token_freq.pt``; skipped when both are complete."""
+    ``token_freq.pt``; skipped when both are complete. ``record``: the engine's recording
+    spec (:func:`~.capture_vllm.recording_spec`), or None."""
     if not (output / SETTINGS_FILE).exists():
         atomic_write_json(output / SETTINGS_FILE, settings)
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
         remove_stale_temporaries(directory)
     if not ((output / "state.json").exists() and (output / TOKEN_FREQ_FILE).exists()):
-        record = None
-        if config.capture_backend == "generation":
-            layer_ids = tuple(settings["target_layer_ids"])
-            record = recording_spec(output, layer_ids, settings["target_num_layers"])
         rows = generate_responses(target, prompts, output, record)
         _write_dataset(rows, output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
 
 
 def _generate(config: DataGenConfig, output: Path, settings: dict, target, prompts) -> TrainingData:
-    _write_replies(config, output, settings, target, prompts)
     layer_ids = tuple(settings["target_layer_ids"])
+    record = None
+    if config.capture_backend == "generation":
+        record = recording_spec(output, layer_ids, settings["target_num_layers"])
+    _write_replies(config, output, settings, target, prompts, record)
     _write_hidden_states(config, target, output, layer_ids, settings)
     data = open_training_data(output, num_aux_layers=len(layer_ids))
     data.vocab_mapping(config.draft_vocab_size)

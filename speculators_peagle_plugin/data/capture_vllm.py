@@ -207,6 +207,7 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
             tensors = stored_tensors(states_row, ids_row, config.storage_dtype)
             atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: save_safetensors(t, tmp))
             placed += 1
+        path.unlink()  # the disk holds each row once: its recording or its file
     shutil.rmtree(staging)
     logger.info(
         "The replies' engine recorded the hidden states of %d of %d rows; %d left to a "

@@ -62,6 +62,9 @@ class StorageEstimate:
     bytes_per_token: int
     tokens: int  # the bound of :func:`token_bound`
     existing_bytes: int  # hidden-state files already written (a resumed run)
+    # states recorded while generating wait in the engine's dtype until each row's file
+    # replaces its recording (``--hidden-states-from generation``); 0 otherwise
+    staged_bytes_per_token: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -69,12 +72,17 @@ class StorageEstimate:
 
     @property
     def needed_bytes(self) -> int:
-        return max(0, self.total_bytes - self.existing_bytes)
+        peak = max(self.bytes_per_token, self.staged_bytes_per_token) * self.tokens
+        return max(0, peak - self.existing_bytes)
 
     def summary(self) -> str:
+        staged = ""
+        if self.staged_bytes_per_token > self.bytes_per_token:
+            peak = self.staged_bytes_per_token * self.tokens
+            staged = f" (recorded in the engine's dtype first: {format_bytes(peak)} at the peak)"
         return (
             f"Hidden states: {self.bytes_per_token:,} bytes per token; at most "
-            f"{self.tokens:,} tokens -> projected {format_bytes(self.total_bytes)}."
+            f"{self.tokens:,} tokens -> projected {format_bytes(self.total_bytes)}{staged}."
         )
 
 
@@ -129,10 +137,13 @@ def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[list[int]
 def storage_estimate(config, settings: dict, tokenizer, conversations, hs_dir: Path):
     """The :class:`StorageEstimate` of a ``generate-data`` run (``config``: DataGenConfig)."""
     existing = sum(p.stat().st_size for p in Path(hs_dir).glob("hs_*.safetensors"))
+    hidden_size, num_aux = settings["target_hidden_size"], len(settings["target_layer_ids"])
+    staged = 0
+    if config.capture_backend == "generation":
+        staged = bytes_per_token(hidden_size, num_aux, config.dtype)
     return StorageEstimate(
-        bytes_per_token=bytes_per_token(
-            settings["target_hidden_size"], len(settings["target_layer_ids"]), config.storage_dtype
-        ),
+        bytes_per_token=bytes_per_token(hidden_size, num_aux, config.storage_dtype),
+        staged_bytes_per_token=staged,
         tokens=token_bound(
             prompt_lengths(tokenizer, conversations), config.max_new_tokens, config.num_samples
         ),
