@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from datasets import load_from_disk
 from safetensors.torch import load_file
 from test_capture_vllm import no_transformers_capture
-from tiny_vllm import LAYER_IDS, PROMPTS
+from tiny_vllm import PROMPTS
 from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
@@ -31,6 +31,8 @@ from speculators_peagle_plugin.data.vllm_recorder import FIRST_COMPUTED_KEY, _Re
 from speculators_peagle_plugin.serving.vllm_worker import _start_recording
 
 pytestmark = pytest.mark.slow
+
+LAYER_IDS = (0, 2, 3)  # 0: the embeddings, the first layer's input; N = 4: the final state
 
 
 def nothing_left(config, output, layer_ids, settings):
