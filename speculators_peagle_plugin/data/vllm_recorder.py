@@ -102,7 +102,8 @@ class _Recording:
                 prompt = self.runner.requests[req_id].prompt_token_ids
                 self.prefixes[req_id] = torch.tensor(prompt[: int(positions[a])], dtype=torch.long)
                 self.chunks[req_id] = []
-            self.chunks[req_id].append((positions[a:b], input_ids[a:b], states[a:b].clone()))
+            # views: a step's states live while a request it served still decodes
+            self.chunks[req_id].append((positions[a:b], input_ids[a:b], states[a:b]))
         self.inputs, self.step = None, {}
 
     def _execute_model(self, scheduler_output, *args, **kwargs):
@@ -116,15 +117,18 @@ class _Recording:
         prefix = self.prefixes.pop(req_id, None)
         if not chunks or not self.write:
             return
-        length = 1 + max(int(p.max()) for p, _, _ in chunks)
-        sample = chunks[0][2]
-        states = sample.new_zeros((length, *sample.shape[1:]))
+        positions, ids, values = (torch.cat(parts) for parts in zip(*chunks, strict=True))
+        length = 1 + int(positions.max())
+        # Each position's latest computation: a request computed again after a preemption
+        # keeps its latest states. latest[p] = index into the chunks' rows, -1 if none.
+        latest = torch.full((length,), -1, dtype=torch.long)
+        latest.scatter_reduce_(0, positions, torch.arange(len(positions)), reduce="amax")
+        computed = latest >= 0
+        states = values.new_zeros((length, *values.shape[1:]))
+        states[computed] = values[latest[computed]]
         token_ids = torch.zeros(length, dtype=torch.long)
         token_ids[: len(prefix)] = prefix
-        computed = torch.zeros(length, dtype=torch.bool)
-        # In order, so a request computed again after a preemption keeps its latest states.
-        for positions, ids, chunk in chunks:
-            states[positions], token_ids[positions], computed[positions] = chunk, ids, True
+        token_ids[computed] = ids[latest[computed]]
         first = int(computed.int().argmax())
         if first > len(prefix) or not bool(computed[first:].all()):
             self.incomplete += 1  # tokens neither computed nor cached: left to a capture pass
