@@ -34,7 +34,8 @@ REPLY_EVENTS: list[dict] = []  # what the reply phase's progress bar was given
 def vllm_gen_args(target, prompts, output, *extra):
     return [
         "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
-        str(output), "--backend", "vllm", "--max-new-tokens", "16", "--batch-size", "4",
+        str(output), "--backend", "vllm", "--hidden-states-from", "vllm", "--max-new-tokens",
+        "16", "--batch-size", "4",
         "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "64",
         "--kv-cache-gb", "1", *extra,
     ]  # fmt: skip

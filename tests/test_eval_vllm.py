@@ -211,7 +211,13 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
 
     by_transformers = generate("hf", "--backend", "transformers")
     assert len(by_transformers) == 4  # the second conversation has two user turns
-    assert generate("vllm", "--backend", "vllm") == by_transformers
+    by_vllm = generate("vllm", "--backend", "vllm")  # its states recorded while generating
+    assert [ids for ids, _ in by_vllm] == [ids for ids, _ in by_transformers]
+    # the reply's last token is never fed back to the engine: no recorded state, no loss
+    assert [mask for _, mask in by_vllm] == [mask[:-1] + [0] for _, mask in by_transformers]
+    assert generate("vllm-pass", "--backend", "vllm", "--hidden-states-from", "vllm") == (
+        by_transformers
+    )
 
     # A target with small logits (near-uniform next-token distributions) to sample from.
     flat = tiny_vllm_target(tmp_path / "flat", seed=5, scale=0.02)
@@ -223,7 +229,7 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
     prompt_len = by_transformers[0][1].index(1)
     for ids, mask in firsts:
         assert ids[:prompt_len] == by_transformers[0][0][:prompt_len]
-        assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len)
+        assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len - 1) + [0]
     assert len({tuple(ids) for ids, _ in firsts}) > 1, "three samples, one reply"
     assert len(sampled) == 3 * len(by_transformers)
 

@@ -93,7 +93,9 @@ class DataGenConfig:
             it computes, :mod:`.vllm_recorder`, so no second pass runs; a reply's last token
             is never fed back, so it has no state and its row no loss on it, a target
             distribution after the reply that serving never asks for; rows it could not
-            record go to the ``vllm`` pass). None = the backend.
+            record go to the ``vllm`` pass). None = ``generation`` with the ``vllm``
+            backend (the fastest at the same draft quality, eval/RESULTS.md section 7),
+            ``transformers`` with the ``transformers`` backend.
         hidden_states_dtype: ``target`` stores them in ``dtype``; ``float8`` in hs_connectors'
             8-bit format (float8_e4m3fn, one float32 scale per token), read back dequantized.
         tensor_parallel_size: vLLM's tensor parallel size (GPUs per engine).
@@ -130,7 +132,7 @@ class DataGenConfig:
         "and logs why; generation: the replies' vLLM engine records them as it generates, "
         "no second pass; the reply's last token then has no state and no loss).",
         choices=STATE_SOURCES,
-        show="as --backend",
+        show="generation with --backend vllm, else transformers",
     )
     hidden_states_dtype: str = _opt(
         "target",
@@ -154,8 +156,10 @@ class DataGenConfig:
 
     @property
     def capture_backend(self) -> str:
-        """What computes the hidden states."""
-        return self.hidden_states_from or self.backend
+        """What computes the hidden states (a ``STATE_SOURCES`` name)."""
+        if self.hidden_states_from is not None:
+            return self.hidden_states_from
+        return "generation" if self.backend == "vllm" else "transformers"
 
     @property
     def storage_dtype(self) -> str:
