@@ -190,7 +190,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
 
 def recording_of(chunks: dict, tmp_path, prefixes=None) -> _Recording:
     recording = object.__new__(_Recording)  # no runner: only the buffers and the write
-    recording.out_dir, recording.write, recording.chunks = tmp_path, True, chunks
+    recording.out_dir, recording.chunks = tmp_path, chunks
     recording.prefixes = prefixes or {r: torch.zeros(0, dtype=torch.long) for r in chunks}
     recording.written = recording.incomplete = 0
     return recording

@@ -156,6 +156,18 @@ def recording_spec(output: Path, layer_ids: tuple[int, ...], num_layers: int) ->
     return {"dir": str(staging), "layer_ids": [*layer_ids, num_layers]}
 
 
+def _prefix_keys(ids: list[int], lengths: list[int]) -> dict[int, int]:
+    """``{k: hash of ids[:k]}`` for each k of the ascending ``lengths`` up to ``len(ids)``,
+    chained, so one pass over ``ids`` (a match is confirmed on the ids themselves)."""
+    keys, key, start = {}, 0, 0
+    for k in lengths:
+        if k > len(ids):
+            break
+        key, start = hash((key, tuple(ids[start:k]))), k
+        keys[k] = key
+    return keys
+
+
 def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, int]) -> int:
     """Write ``hs_<i>`` of every row still without states whose tokens the replies' engine
     recorded, in ``config``'s storage format. Returns the number of rows written.
@@ -186,21 +198,22 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
         with safe_open(str(path), framework="pt") as fh:
             first = int(fh.get_tensor(FIRST_COMPUTED_KEY)[0])
             heads.append((first, path, fh.get_tensor("token_ids").tolist()))
-    borrowed = {(first, tuple(ids[:first])) for first, _, ids in heads if first}
-    lengths = sorted({first for first, _ in borrowed})
-    prefixes: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # -> states [first, n, H]
+    lengths = sorted({first for first, _, _ in heads if first})
+    keys = {path: _prefix_keys(ids, lengths) for _, path, ids in heads}
+    borrowed = {(first, keys[path][first]) for first, path, _ in heads if first}
+    # (length, key) -> (the prefix's token ids, its states [length, n, H])
+    prefixes: dict[tuple[int, int], tuple[list[int], torch.Tensor]] = {}
     placed = 0
     for first, path, ids in sorted(heads, key=lambda head: (head[0], head[1].name)):
         states = load_file(path)["hidden_states"]
         if first:
-            source = prefixes.get((first, tuple(ids[:first])))
-            if source is None:
+            source = prefixes.get((first, keys[path][first]))
+            if source is None or source[0] != ids[:first]:
                 continue  # no recording computed this prefix: left to a capture pass
-            states[:first] = source
-        for k in lengths:
-            key = (k, tuple(ids[:k]))
-            if k <= len(ids) and key in borrowed and key not in prefixes:
-                prefixes[key] = states[:k]
+            states[:first] = source[1]
+        for k, key in keys[path].items():
+            if (k, key) in borrowed and (k, key) not in prefixes:
+                prefixes[(k, key)] = (ids[:k], states[:k].clone())
         for i in wanted.pop(tuple(ids), []):
             states_row = torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
             ids_row = torch.tensor(dataset[i]["input_ids"], dtype=torch.long)

@@ -18,7 +18,7 @@ slots hold zeros, ``first_computed`` says where the computed ones start, and
 (the same tokens at the same positions have the same states).
 
 Needs eager execution (hooks do not run inside a compiled graph) and one pipeline stage.
-Under tensor parallelism the residual stream is whole on every rank; rank 0 writes.
+Under tensor parallelism the residual stream is whole on every rank; only rank 0 records.
 
 Legend: ``T`` = tokens of one engine step (all requests), ``n`` = recorded layers.
 """
@@ -43,8 +43,8 @@ FIRST_COMPUTED_KEY = "first_computed"  # [1]: the first position whose states we
 class _Recording:
     """The hooks and per-request buffers of one recording on one model runner."""
 
-    def __init__(self, runner, out_dir: Path, layer_ids: list[int], write: bool):
-        self.runner, self.out_dir, self.write = runner, out_dir, write
+    def __init__(self, runner, out_dir: Path, layer_ids: list[int]):
+        self.runner, self.out_dir = runner, out_dir
         layers = runner.model.model.layers
         self.layer_ids = layer_ids
         self.step: dict[int, torch.Tensor] = {}  # layer id -> [T, H] of the running forward
@@ -115,7 +115,7 @@ class _Recording:
         """Write ``req_id``'s states if every position after its cached prefix was computed."""
         chunks = self.chunks.pop(req_id, None)
         prefix = self.prefixes.pop(req_id, None)
-        if not chunks or not self.write:
+        if not chunks:
             return
         positions, ids, values = (torch.cat(parts) for parts in zip(*chunks, strict=True))
         length = 1 + int(positions.max())
@@ -177,10 +177,10 @@ class HiddenStatesRecorder:
         layer_ids = [int(i) for i in spec["layer_ids"]]
         if not all(0 <= i <= len(layers) for i in layer_ids):
             return f"layer ids {layer_ids} are not all in [0, {len(layers)}]"
-        out_dir = Path(spec["dir"])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write = get_tensor_model_parallel_rank() == 0
-        self._recording = _Recording(self.model_runner, out_dir, layer_ids, write)
+        if get_tensor_model_parallel_rank() == 0:  # the other ranks hold the same states
+            out_dir = Path(spec["dir"])
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._recording = _Recording(self.model_runner, out_dir, layer_ids)
         return None
 
     def stop_recording(self) -> dict:
