@@ -24,7 +24,8 @@ from tiny_vllm import PROMPTS
 from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import build, capture_hidden_states
+from speculators_peagle_plugin.common.files import atomic_write
+from speculators_peagle_plugin.data import build, capture_hidden_states, capture_vllm
 from speculators_peagle_plugin.data.capture import pending_rows
 from speculators_peagle_plugin.data.capture_vllm import RECORDED_DIR
 from speculators_peagle_plugin.data.generation import Target
@@ -70,6 +71,7 @@ def recorded(tmp_path_factory, target):
         patch.setattr(build, "write_hidden_states", no_transformers_capture)
         patch.setattr(build, "write_hidden_states_vllm", nothing_left)
         patch.setattr(build, "place_recorded", noting_cached_prefixes(build.place_recorded))
+        patch.setattr(capture_vllm, "atomic_write", noting_recordings_left(root / "data"))
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return root / "data"
@@ -87,6 +89,18 @@ def noting_cached_prefixes(place):
     return noting
 
 
+RECORDINGS_LEFT: list[int] = []  # per row's file written: the recordings still on disk
+
+
+def noting_recordings_left(output):
+    def noting(path, write):
+        recordings = (output / "hidden_states" / RECORDED_DIR).glob("*.safetensors")
+        RECORDINGS_LEFT.append(len(list(recordings)))
+        return atomic_write(path, write)
+
+    return noting
+
+
 @pytest.fixture(scope="module")
 def reference(target):
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -98,6 +112,10 @@ def test_recorded_states_equal_the_transformers_capture(recorded, reference):
     assert len(dataset) == 15  # 3 prompts x 3 samples + 1 conversation x 3 samples x 2 turns
     # some samples found their prompt's first block cached and borrowed its states
     assert len(FIRST_COMPUTED) == 15 and sorted(set(FIRST_COMPUTED))[:2] == [0, 128]
+    # the disk holds each row about once: a recording goes as soon as its rows' files are
+    # written (identical samples share one recording's states; their twins go unread)
+    assert RECORDINGS_LEFT == sorted(RECORDINGS_LEFT, reverse=True)
+    assert RECORDINGS_LEFT[0] == 15 and RECORDINGS_LEFT[-1] <= 3
     longest_prompt = 0
     for i in range(len(dataset)):
         ids = torch.as_tensor(dataset[i]["input_ids"])

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -68,11 +69,17 @@ def _token_ids(path: Path) -> tuple[int, ...]:
         return tuple(fh.get_tensor("token_ids").tolist())
 
 
+def _rows_by_token_ids(rows: Iterable[tuple[int, Sequence[int]]]) -> dict[tuple, list[int]]:
+    """``{token ids: [row indexes]}`` (identical rows share one file's states)."""
+    wanted: dict[tuple, list[int]] = {}
+    for i, ids in rows:
+        wanted.setdefault(tuple(ids), []).append(i)
+    return wanted
+
+
 def _place(staging: Path, hs_dir: Path, rows: dict[int, list[int]]) -> None:
     """Rename the connector's files to ``hs_<i>`` of the rows with their token ids."""
-    wanted: dict[tuple[int, ...], list[int]] = {}
-    for i, ids in rows.items():
-        wanted.setdefault(tuple(ids), []).append(i)
+    wanted = _rows_by_token_ids(rows.items())
     for path in staging.glob("*.safetensors"):
         indexes = wanted.pop(_token_ids(path), None)
         if indexes is None:
@@ -190,9 +197,7 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
     if not staging.is_dir():
         return 0
     dataset, hs_dir, todo = pending_rows(output, shape_tail)
-    wanted: dict[tuple[int, ...], list[int]] = {}
-    for i in todo:
-        wanted.setdefault(tuple(dataset[i]["input_ids"][:-1]), []).append(i)
+    wanted = _rows_by_token_ids((i, dataset[i]["input_ids"][:-1]) for i in todo)
     heads = []  # (first computed position, file, token ids)
     for path in staging.glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as fh:
