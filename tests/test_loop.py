@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import config_for, reference_step, refused, run_cli, train_args
+from helpers.training import (
+    DRAFT_VOCAB,
+    config_for,
+    reference_step,
+    refused,
+    run_cli,
+    train_args,
+)
 from safetensors.torch import load_file
 from tiny import tiny_tokenizer
 
@@ -134,6 +141,44 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
         )
         changed += not torch.equal(value, initial[key])
     assert changed >= 3  # fc, layer weights, mask_hidden... moved
+
+
+LEAVES_ITS_GROUP = """
+import json, os, sys
+import torch.distributed as dist
+from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.loop import train
+
+kw, save = json.loads(sys.argv[1]), sys.argv[2]
+train(TrainConfig(save_path=save + "/made", **kw), progress=False)
+assert not dist.is_initialized(), "train() left the group it made alive"
+dist.init_process_group("gloo")  # the caller's own group: train() leaves it alone
+train(TrainConfig(save_path=save + "/given", **kw), progress=False)
+assert dist.is_initialized(), "train() destroyed the caller's group"
+dist.destroy_process_group()
+print("ok rank", os.environ["RANK"])
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_leave_the_process_group_they_made(workdir, tmp_path):
+    # A rank exiting with its gloo group alive can abort in the group's destructor at
+    # interpreter exit and fail a finished torchrun job: train() destroys what it made.
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVES_ITS_GROUP)
+    kw = {
+        "verifier_name_or_path": str(workdir / "target"),
+        "data_path": str(workdir / "data"), "draft_vocab_size": DRAFT_VOCAB, "num_depths": 3,
+        "total_seq_len": 96, "max_steps": 1, "seed": 3,
+    }  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", "29541", str(script), json.dumps(kw), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok rank 0" in done.stdout and "ok rank 1" in done.stdout, done.stdout
 
 
 @pytest.fixture

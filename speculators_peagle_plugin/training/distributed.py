@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,32 @@ class World:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+@contextmanager
+def process_group_of_run(clean_exits: tuple[type[BaseException], ...] = ()):
+    """Destroys the process group that the code inside creates, when every rank is done.
+
+    A rank that exits with its gloo group alive can abort in the group's destructor during
+    interpreter shutdown (SIGABRT, "terminate called without an active exception"), and
+    torchrun then fails a run that finished. The group goes on a normal return and on the
+    exceptions in ``clean_exits``, which every rank raises at the same step; not on any
+    other error, where a rank may still wait in a collective and destroying could hang.
+    A group that existed before (the caller's own) is left alone.
+    """
+    created = not dist.is_initialized()
+
+    def leave() -> None:
+        if created and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    try:
+        yield
+    except clean_exits:
+        leave()
+        raise
+    leave()
 
 
 class StepModule(nn.Module):

@@ -33,7 +33,7 @@ from ..common.lock import exclusive_directory
 from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
 from .config import TrainConfig
-from .distributed import StepModule, World, env_rank, wrap
+from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
 from .progress import (
     METRICS_FILE,
@@ -247,10 +247,14 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
 
     Rank 0 holds ``save_path``'s lock for the whole run: a second run on the same path is
     refused at once. Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM
-    arrives, and ``ValueError`` when the loss or gradient norm stops being finite.
+    arrives, and ``ValueError`` when the loss or gradient norm stops being finite. Under
+    torchrun it destroys the process group it made when it returns or is interrupted.
     """
     save_path = Path(config.save_path)
-    with exclusive_directory(save_path, "training run", hold=env_rank() == 0):
+    with (
+        exclusive_directory(save_path, "training run", hold=env_rank() == 0),
+        process_group_of_run(clean_exits=(TrainingInterrupted,)),
+    ):
         return _train(config, save_path, progress)
 
 
