@@ -13,14 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import (
-    DRAFT_VOCAB,
-    config_for,
-    reference_step,
-    refused,
-    run_cli,
-    train_args,
-)
+from helpers.training import config_for, reference_step, refused, run_cli, train_args
 from safetensors.torch import load_file
 from tiny import tiny_tokenizer
 
@@ -144,19 +137,23 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
 
 
 LEAVES_ITS_GROUP = """
-import json, os, sys
+import dataclasses, json, os, sys
 import torch.distributed as dist
 from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.loop import train
 
-kw, save = json.loads(sys.argv[1]), sys.argv[2]
-train(TrainConfig(save_path=save + "/made", **kw), progress=False)
-assert not dist.is_initialized(), "train() left the group it made alive"
-dist.init_process_group("gloo")  # the caller's own group: train() leaves it alone
-train(TrainConfig(save_path=save + "/given", **kw), progress=False)
+config = TrainConfig(**json.loads(sys.argv[1]))
+# The caller's own group (its own store: a group re-made on the same store can read the
+# last one's stale addresses): train() leaves it alone.
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = f"file://{config.save_path}-store"
+dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
+train(dataclasses.replace(config, save_path=config.save_path + "-given"), progress=False)
 assert dist.is_initialized(), "train() destroyed the caller's group"
 dist.destroy_process_group()
-print("ok rank", os.environ["RANK"])
+train(config, progress=False)
+assert not dist.is_initialized(), "train() left the group it made alive"
+open(f"{config.save_path}-rank{os.environ['RANK']}-ok", "w").close()
 """
 
 
@@ -166,19 +163,15 @@ def test_two_ranks_leave_the_process_group_they_made(workdir, tmp_path):
     # interpreter exit and fail a finished torchrun job: train() destroys what it made.
     script = tmp_path / "leave.py"
     script.write_text(LEAVES_ITS_GROUP)
-    kw = {
-        "verifier_name_or_path": str(workdir / "target"),
-        "data_path": str(workdir / "data"), "draft_vocab_size": DRAFT_VOCAB, "num_depths": 3,
-        "total_seq_len": 96, "max_steps": 1, "seed": 3,
-    }  # fmt: skip
+    config = config_for(workdir, tmp_path / "made", max_steps=1).to_dict()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", "29541", str(script), json.dumps(kw), str(tmp_path),
+        "--master_port", "29541", str(script), json.dumps(config),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok rank 0" in done.stdout and "ok rank 1" in done.stdout, done.stdout
+    assert (tmp_path / "made-rank0-ok").is_file() and (tmp_path / "made-rank1-ok").is_file()
 
 
 @pytest.fixture
