@@ -153,7 +153,7 @@ assert dist.is_initialized(), "train() destroyed the caller's group"
 dist.destroy_process_group()
 train(config, progress=False)
 assert not dist.is_initialized(), "train() left the group it made alive"
-open(f"{config.save_path}-rank{os.environ['RANK']}-ok", "w").close()
+open(f"{config.save_path}-rank{rank}-ok", "w").close()
 """
 
 
