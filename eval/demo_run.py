@@ -81,9 +81,10 @@ def demo_inputs(demo_dir: Path) -> dict:
 
 def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Path) -> dict:
     """The drafts in one ``speculators-peagle eval`` run, served as the demo serves its own
-    (its K, greedy, no baseline); ``{draft: {prompt set: acceptance length, per position}}``."""
+    (its K, greedy, no baseline; uncompiled engines, which start sooner: no speed is read);
+    ``{draft: {prompt set: acceptance length, per position}}``."""
     cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", demo["target"],
-           "-k", str(demo["k"]), "--no-baseline",
+           "-k", str(demo["k"]), "--no-baseline", "--enforce-eager",
            "--max-new-tokens", str(demo["eval_max_new_tokens"]),
            "--concurrency", str(demo["eval_concurrency"]),
            "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],

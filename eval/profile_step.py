@@ -90,6 +90,7 @@ def _profile(worker, job_cls, args, prompts, draft: str | None, k: int | None) -
     job = job_cls(
         target=args.target, prompts=prompts[: args.warmup], max_tokens=args.max_new_tokens,
         batch_size=1, draft=draft, num_speculative_tokens=k, dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
     )  # fmt: skip
     worker.run(job)  # builds the engine and warms it up
     engine = worker.llm.llm_engine
@@ -166,6 +167,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-gb", type=int, default=4)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Uncompiled engines (vLLM serves compiled ones by default).",
+    )
     parser.add_argument("--out", default="runs/profile-step", help="Output directory.")
     args = parser.parse_args()
     args.ks = [int(k) for k in args.k.split(",")]

@@ -194,6 +194,7 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.eval_prompts)
     assert FakeCli._opt(evaluate, "-k") == "2" and FakeCli._opt(evaluate, "--concurrency") == "1,2"
     assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
+    assert "--enforce-eager" in evaluate  # the quick demo's engines skip compiling
     # The untrained draft is built from the very config the train command used.
     assert built[0].data_path == FakeCli._opt(train, "--data-path")
     assert built[0].num_depths == 4 and built[0].max_steps == 2
@@ -226,6 +227,20 @@ def test_bfloat16_is_used_only_where_the_cpu_has_it_natively(
     # The target writes the data in the dtype it is then served in.
     dtype = "bfloat16" if native else "float32"
     assert FakeCli._opt(gen, "--dtype") == FakeCli._opt(evaluate, "--dtype") == dtype
+
+
+def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
+    """The full demo's eval runs engines as `vllm serve` does, a setting of its eval stage."""
+    cli, _, yaml, _ = fake_pipeline
+    assert demo.DemoConfig.eval_enforce_eager is False
+    config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
+                               eval_enforce_eager=False)  # fmt: skip
+    demo.run_demo(config, echo=lambda line: None)
+    assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
+    assert "--enforce-eager" not in cli.commands[-1]
+    eager = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml))
+    with pytest.raises(ValueError, match=r"'eval' stage made with other settings"):
+        demo.run_demo(eager, echo=lambda line: None)
 
 
 def test_an_explicit_target_dtype_wins_and_a_new_one_redoes_the_data(fake_pipeline, tmp_path):

@@ -151,7 +151,7 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
     argv = [
         "eval", "--target", str(target), "--draft", str(theirs), "--prompts", f"{prompts}[:4]",
         "-k", f"1,{K}", "--max-new-tokens", "16", "--concurrency", "2", "--out", str(out),
-        "--kv-cache-gb", "1", "--in-process",
+        "--kv-cache-gb", "1", "--in-process", "--enforce-eager",
     ]  # fmt: skip
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
@@ -239,9 +239,10 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
 
 @pytest.mark.slow
 def test_shortened_sweep_figures_are_consistent(trained, tmp_path):
-    """eval --concurrency 1,2 -k 1,2 in float32: one engine per (draft, K), speedups are
-    tokens/s ratios at the same concurrency, the recommendation is their argmax, the
-    per-position rates sum to acceptance - 1, and greedy outputs equal no draft's."""
+    """eval --concurrency 1,2 -k 1,2 in float32 on compiled engines (eval's default): one
+    engine per (draft, K), speedups are tokens/s ratios at the same concurrency, the
+    recommendation is their argmax, the per-position rates sum to acceptance - 1, and
+    greedy outputs equal no draft's."""
     target, draft, _ = trained
     train = tmp_path / "train"  # a draft as `train` leaves it: metrics.jsonl beside it
     shutil.copytree(draft, train / "checkpoint-60")
@@ -260,7 +261,11 @@ def test_shortened_sweep_figures_are_consistent(trained, tmp_path):
     record = json.loads((out / "record.json").read_text())
     cells = {(r["k"], r["concurrency"]): r for r in record["runs"]}
     assert set(cells) == {(k, c) for k in (0, 1, 2) for c in (1, 2)}
-    assert sum(r["engine"] is not None for r in record["runs"]) == 3  # one per (draft, K)
+    engines = [r["engine"] for r in record["runs"] if r["engine"] is not None]
+    assert len(engines) == 3  # one per (draft, K)
+    # compiled, as `vllm serve` runs them (eval's default)
+    assert all(e["compilation_mode"] not in (None, "NONE") for e in engines)
+    assert record["config"]["enforce_eager"] is False and "uncompiled" not in result.output
     for (k, c), r in cells.items():
         assert r["tpot_s"]["p50"] <= r["tpot_s"]["p90"] and r["tpot_s"]["mean"] > 0
         if not k:

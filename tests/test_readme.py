@@ -37,7 +37,7 @@ EXTRA = {  # the flags each README command gets here
     "serve": ["--port", "{port}", "--max-model-len", "512", "--dtype", "float32",
               "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
     "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
-             "--in-process", "--out", "{tmp}/eval"],  # fmt: skip
+             "--in-process", "--enforce-eager", "--out", "{tmp}/eval"],  # fmt: skip
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
                          "--partition-curve-seq-len", "128", "--partitions", "2",
@@ -244,6 +244,7 @@ def test_eval_command_measures_acceptance(trained):
         ("mt_bench[:2]", 8),
     ]  # fmt: skip
     assert {r["concurrency"] for r in drafted} == {4}
+    assert {r["engine"]["compilation_mode"] for r in record["runs"] if r["engine"]} == {"NONE"}
     for r in drafted:  # MT-Bench's first two questions are writing ones
         assert r["per_category"] is None if r["prompt_set"] != "mt_bench[:2]" else (
             r["per_category"]["writing"]["acceptance_length"] == r["acceptance_length"]

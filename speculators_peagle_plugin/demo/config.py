@@ -28,6 +28,8 @@ class DemoConfig:
             ``eval_prompts_per_slot * c`` prompts of each set: single-request decoding is
             slow on a CPU, and at the largest concurrency every held-out prompt still runs.
         eval_max_new_tokens: per request in vLLM.
+        eval_enforce_eager: eval's ``--enforce-eager``: engines start sooner, but tokens/s
+            are not those of ``vllm serve``, which compiles the models.
         kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
         target_dtype: the target's dtype when it writes the data and serves in eval (the
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
@@ -51,6 +53,7 @@ class DemoConfig:
     eval_concurrency: tuple[int, ...] = (1, 16)
     eval_prompts_per_slot: int = 4
     eval_max_new_tokens: int = 128
+    eval_enforce_eager: bool = False
     kv_cache_gb: int = 4
     target_dtype: str = "auto"
     quick: bool = False
@@ -88,7 +91,7 @@ class DemoConfig:
 
 
 # The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, a 2 x 1 sweep of 4
-# short eval prompts.
+# short eval prompts on uncompiled engines.
 QUICK = dict(
     run_dir="runs/demo-quick",
     train_prompts=("humaneval[0:3]", "chat[0:3]"),
@@ -101,6 +104,7 @@ QUICK = dict(
     eval_concurrency=(1, 2),
     eval_prompts_per_slot=1,
     eval_max_new_tokens=24,
+    eval_enforce_eager=True,
     quick=True,
 )
 

@@ -213,6 +213,8 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                 "--out", str(layout.eval)]  # fmt: skip
         for spec in config.eval_prompts:
             args += ["--prompts", spec]
+        if config.eval_enforce_eager:
+            args.append("--enforce-eager")
         _command(args, echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
@@ -223,6 +225,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         "ks": list(config.eval_ks), "concurrency": list(config.eval_concurrency),
         "prompts_per_slot": config.eval_prompts_per_slot,
         "max_new_tokens": config.eval_max_new_tokens, "dtype": dtype,
+        "enforce_eager": config.eval_enforce_eager,
     }  # fmt: skip
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 

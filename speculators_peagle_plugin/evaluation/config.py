@@ -48,6 +48,8 @@ class EvalConfig:
         seed: the engine's seed.
         kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = ``CPU_KV_CACHE_GB``
             on CPU, vLLM's default on GPU (:meth:`resolved_kv_cache_gb`).
+        enforce_eager: vLLM's ``enforce_eager``; False (vLLM's default, what ``vllm serve``
+            runs) compiles the target and the draft at each engine start.
         in_process: run vLLM's engine core inside the worker process instead of its own
             (vLLM's default). An engine then starts several times faster on CPU, but the
             frontend shares the engine's pinned core, so tokens/s drop: for tests and
@@ -102,6 +104,13 @@ class EvalConfig:
     )
     in_process: bool = _opt(
         False, "vLLM engine core inside the worker: fast start, slower tokens/s.", show=None
+    )
+    enforce_eager: bool = _opt(
+        False,
+        "Run the models without compiling them (vLLM's --enforce-eager): each engine starts "
+        "sooner, but decodes slower than `vllm serve` does by default, so tokens/s and "
+        "speedups are not the served ones.",
+        show=None,
     )
 
     def __post_init__(self) -> None:

@@ -120,6 +120,7 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 seed=config.seed,
+                enforce_eager=config.enforce_eager,
             )
             jobs.append(_Job(name, label, engine))
     return jobs

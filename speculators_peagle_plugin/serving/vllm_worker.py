@@ -98,6 +98,8 @@ class Worker:
             "method": None if spec is None else spec.method,
             "parallel_drafting": None if spec is None else bool(spec.parallel_drafting),
             "num_speculative_tokens": None if spec is None else spec.num_speculative_tokens,
+            # NONE = eager; on CPU vLLM compiles as DYNAMO_TRACE_ONCE with inductor
+            "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name,
         }
         self.llm, self.key = llm, key
         self.emit(facts)
