@@ -15,7 +15,8 @@ own model runner (class-level wrappers, installed before the engine is built):
 - ``scheduler + outputs``: the engine step's wall time minus the model runner's.
 
 The step is ``LLMEngine.step``; figures are milliseconds per step (mean over all steps
-after the first ``--warmup`` requests) and per output token.
+after the first ``--warmup`` requests) and per output token. The engines compile the models
+as ``vllm serve`` does, unless ``--enforce-eager``.
 
     .venv/bin/python -m eval.profile_step --target DIR --draft runs/demo/trained-draft -k 2,4
 """
