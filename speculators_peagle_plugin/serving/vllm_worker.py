@@ -116,16 +116,21 @@ class Worker:
         """Decode every prompt (greedy by default) with ``batch_size`` requests in flight."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         from speculators_peagle_plugin.serving.inflight import drive
 
         llm = self.engine(job)
         engine = llm.llm_engine
+        # Only finished requests' token ids are read: no text, and no per-step outputs
+        # (vLLM's default rebuilds every running request's output at every step).
         params = SamplingParams(
             temperature=job.temperature,
             top_p=job.top_p,
             max_tokens=job.max_tokens,
             ignore_eos=job.ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         has_draft = bool(job.draft)
         first = _counters(llm) if has_draft else None
