@@ -236,7 +236,7 @@ def test_vllm_serve_command_drafts_in_parallel(trained):
 def test_eval_command_measures_acceptance(trained):
     root, target = trained
     (cmd,) = commands_of(("eval",))
-    run(prepared(cmd, root, target), root)
+    out = run(prepared(cmd, root, target), root)
     record = json.loads((root / "eval" / "record.json").read_text())
     drafted = [r for r in record["runs"] if r["label"] == "checkpoint-1000"]
     assert sorted({(r["prompt_set"], r["k"]) for r in drafted}) == [
@@ -245,6 +245,7 @@ def test_eval_command_measures_acceptance(trained):
     ]  # fmt: skip
     assert {r["concurrency"] for r in drafted} == {4}
     assert {r["engine"]["compilation_mode"] for r in record["runs"] if r["engine"]} == {"NONE"}
+    assert "measured on uncompiled engines" in out  # its speedups are not vllm serve's
     for r in drafted:  # MT-Bench's first two questions are writing ones
         assert r["per_category"] is None if r["prompt_set"] != "mt_bench[:2]" else (
             r["per_category"]["writing"]["acceptance_length"] == r["acceptance_length"]

@@ -254,7 +254,7 @@ def finish_record(record: dict, runs: list[dict], out_dir: Path, echo) -> None:
     echo(format_table(record["runs"]))
     if record["recommendation"]:
         echo(format_recommendation(record["recommendation"]))
-        if record["config"].get("enforce_eager"):
+        if record["config"]["enforce_eager"]:
             echo("  (measured on uncompiled engines, --enforce-eager: `vllm serve` compiles "
                  "the models, so its speedups differ)")  # fmt: skip
     echo(f"record: {out_dir / 'record.json'}  plots: " + ", ".join(str(f) for f in figures))
