@@ -82,3 +82,15 @@ def test_importing_the_package_loads_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_cli_starts_without_importing_vllm():
+    """vLLM takes seconds to import: only the commands that start an engine may load it."""
+    import subprocess
+
+    code = (
+        "import sys, speculators_peagle_plugin.cli, speculators_peagle_plugin.data;"
+        "print('vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

@@ -25,8 +25,7 @@ import torch
 from ..common.files import atomic_write
 from .capture import log_capture, pending_rows, save_safetensors
 from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
-from .storage import stored_tensors
-from .vllm_connector import STORAGE_DTYPE_KEY
+from .storage import STORAGE_DTYPE_KEY, stored_tensors
 
 logger = logging.getLogger(__name__)
 

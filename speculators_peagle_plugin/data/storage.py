@@ -21,6 +21,8 @@ import torch
 from ..common.dtypes import DTYPES
 
 FLOAT8 = "float8"  # --hidden-states-dtype value of the 8-bit format
+# the vLLM connector's kv_connector_extra_config key: a DTYPES name or FLOAT8
+STORAGE_DTYPE_KEY = "storage_dtype"
 TOKEN_ID_BYTES = 8  # token_ids are int64
 SCALE_BYTES = 4  # one float32 scale per token in the 8-bit format
 

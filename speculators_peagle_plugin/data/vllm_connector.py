@@ -22,9 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import (
 
 from ..common.files import atomic_write
 from .capture import save_safetensors
-from .storage import stored_tensors
-
-STORAGE_DTYPE_KEY = "storage_dtype"  # kv_connector_extra_config: a DTYPES name or "float8"
+from .storage import STORAGE_DTYPE_KEY, stored_tensors
 
 
 class _Done:
