@@ -33,7 +33,8 @@ class VllmJob:
         num_speculative_tokens: K (with a draft).
         ignore_eos: decode exactly ``max_tokens`` tokens.
         dtype, max_model_len, seed, enforce_eager: the engine's settings; ``seed`` also
-            drives sampling, since vLLM's CPU sampler has no per-request seed.
+            drives sampling (requests carry no seed of their own, so a sampled reply
+            depends on which requests shared its steps).
         temperature, top_p: greedy unless ``temperature > 0``.
         prefix_caching: off unless asked, so that acceptance does not depend on which
             prompts shared cached blocks with earlier ones.
