@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import build, capture_hidden_states, open_training_data
+from speculators_peagle_plugin.data import generation as gen_mod
+from speculators_peagle_plugin.data.build import generate_replies
 from speculators_peagle_plugin.data.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
-from speculators_peagle_plugin.data.config import SETTINGS_FILE
+from speculators_peagle_plugin.data.config import SETTINGS_FILE, DataGenConfig
 from speculators_peagle_plugin.data.generation import Target
 
 pytestmark = pytest.mark.slow
@@ -57,12 +59,12 @@ def generated(tmp_path_factory, target):
 
 
 def recording_events(generate):
-    def recording(self, prompts, seed, on_event=None, record=None):
+    def recording(self, prompts, seeds, on_reply, on_event=None, record=None):
         def both(event):
             REPLY_EVENTS.append(event)
             on_event(event)
 
-        return generate(self, prompts, seed, both, record)
+        return generate(self, prompts, seeds, on_reply, both, record)
 
     return recording
 
@@ -96,6 +98,43 @@ def test_reply_progress_moves_per_finished_request(generated):
     progress = [e for e in REPLY_EVENTS if e["event"] == "progress"]
     assert [e["done"] for e in progress] == [1, 2, 3, 4, 5, 6]
     assert all(e["total"] == 6 and e["output_tokens"] > 0 for e in progress)
+
+
+def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path, monkeypatch):
+    """Each reply samples with its own seed: 4 prompts x 3 samples with 2 in flight in one
+    job, and with 3 in flight in jobs of one 3-reply shard, stopped after the second shard's
+    file and resumed, write the same replies."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:4]) + "\n")
+
+    def replies(output, batch_size):
+        config = DataGenConfig(
+            target=str(target), prompts=str(prompts), output=str(tmp_path / output),
+            backend="vllm", temperature=1.0, num_samples=3, max_new_tokens=12,
+            batch_size=batch_size, kv_cache_gb=1, draft_vocab_size=64,
+        )  # fmt: skip
+        return list(load_from_disk(str(generate_replies(config))).with_format(None)["input_ids"])
+
+    whole = replies("whole", 2)
+    samples = [[tuple(whole[3 * p + s]) for s in range(3)] for p in range(4)]
+    assert sum(len(set(row)) > 1 for row in samples) >= 2  # the samples are not all alike
+
+    monkeypatch.setattr(gen_mod, "VLLM_BATCHES_PER_SHARD", 1)
+    monkeypatch.setattr(gen_mod, "VLLM_SHARDS_PER_JOB", 1)
+    real, written = gen_mod.atomic_write_json, []
+
+    def stop_after_two(path, *args, **kwargs):
+        real(path, *args, **kwargs)
+        written.append(path.name)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen_mod, "atomic_write_json", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        replies("resumed", 3)
+    assert written == ["000000000-000000002.json", "000000003-000000005.json"]
+    monkeypatch.setattr(gen_mod, "atomic_write_json", real)
+    assert replies("resumed", 3) == whole
 
 
 def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_path):

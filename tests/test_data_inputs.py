@@ -73,7 +73,9 @@ def test_sampling_is_seeded_and_overrides_the_checkpoints_defaults(target_dir, p
 
     def run(seed, **settings):
         target.config = DataGenConfig(**base, max_new_tokens=8, **settings)
-        return target.generate(prompts, seed)
+        replies = [None] * len(prompts)
+        target.generate(prompts, [seed, seed + 1], lambda j, reply: replies.__setitem__(j, reply))
+        return replies
 
     greedy = run(0)
     assert run(1) == greedy and run(0, temperature=0.01) == greedy

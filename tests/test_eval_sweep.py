@@ -59,14 +59,14 @@ def test_driver_keeps_exactly_c_in_flight_while_prompts_remain(concurrency):
     lengths = {f"r{i}": rng.randint(1, 9) for i in range(20)}
     engine = FakeEngine(lengths, max_num_seqs=16)
     finished = []
-    most = drive(engine, [(r, None) for r in lengths], None, concurrency,
+    most = drive(engine, [(r, None, None) for r in lengths], concurrency,
                  lambda out: finished.append(out.request_id))  # fmt: skip
     assert sorted(finished) == sorted(lengths) and engine.order == list(lengths)
     assert most == min(concurrency, len(lengths))
     # every step runs with exactly c requests in the engine, fewer only once fewer are left
     assert [held for held, _ in engine.held] == [min(concurrency, n) for _, n in engine.held]
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
-        drive(engine, [], None, 0, print)
+        drive(engine, [], 0, print)
 
 
 def run(k, c, tps, label="d", prompt_set="p", per_position=None):

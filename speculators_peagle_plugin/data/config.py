@@ -42,9 +42,13 @@ BACKENDS = ("transformers", "vllm")
 # what computes the hidden states: a pass over the rows (a backend), or the replies' engine
 STATE_SOURCES = (*BACKENDS, "generation")
 STORAGE_DTYPES = ("target", "float8")  # float8: hs_connectors' 8-bit format (data/storage.py)
-# vLLM keeps batch_size requests in flight over a whole resume shard (continuous batching), so
-# a shard of several batches wastes less time on the tail of its longest replies.
+# The resume unit of vLLM generation (and of the vLLM capture pass): batch_size x this many
+# replies per shard file.
 VLLM_BATCHES_PER_SHARD = 4
+# Shards per vLLM job: the engine keeps batch_size requests in flight across a job, and only
+# its end waits for the longest replies with the engine part empty (the job's prompts travel
+# to the worker as one message, which bounds it).
+VLLM_SHARDS_PER_JOB = 16
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
 
@@ -78,13 +82,14 @@ class DataGenConfig:
         top_p: nucleus mass in (0, 1] when sampling.
         batch_size: conversations generated together (transformers: one left-padded batch,
             the unit of resume; vllm: requests in flight, resumed per
-            ``VLLM_BATCHES_PER_SHARD`` batches).
+            ``VLLM_BATCHES_PER_SHARD`` batches, ``VLLM_SHARDS_PER_JOB`` shards per job).
         num_samples: replies per prompt (> 1 needs ``temperature`` > 0): each is its own row.
         backend: what generates the replies. ``transformers`` (``generate``, batched);
             ``vllm``: vLLM in a child process, faster on CPU (continuous batching, paged KV
-            cache). vLLM samples from its engine seed (its CPU sampler has no
-            per-request seed), so a resumed sampled run draws new replies for the shards it
-            had not finished.
+            cache). vLLM samples each reply with its own seed (``seed``, the prompt's index
+            and the turn), so its replies do not depend on ``batch_size``, and a resumed run
+            draws the replies an uninterrupted one would (up to the rounding of batched
+            arithmetic).
         hidden_states_from: what computes the hidden states: ``vllm`` (a prefill of each row
             through vLLM's ``extract_hidden_states`` method; where vLLM cannot, the
             transformers pass runs instead and the log says why), ``transformers`` (one
@@ -103,7 +108,8 @@ class DataGenConfig:
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
         max_samples: use only the first this many usable prompts.
-        seed: seed of the sampled generation (per batch, so resumed runs agree).
+        seed: seed of the sampled generation (vllm: mixed with each reply's prompt index and
+            turn; transformers: with each batch's first, so resumed runs agree).
         dtype: the target's compute dtype, also the stored hidden states' dtype.
         device: torch device of the target.
     """

@@ -1,7 +1,10 @@
 """The target's replies to the prompts: generated with transformers or vLLM, resumable per shard.
 
 Each shard (``DIR/responses/<first>-<last>.json``) maps a prompt index to its rows
-``{"input_ids", "loss_mask"}``; a run that is stopped regenerates only the shards it lacks.
+``{"input_ids", "loss_mask"}``; a run that is stopped regenerates only the shards it lacks,
+and draws the same replies (each reply samples with its own seed). vLLM gets the prompts of
+several shards as one job (``VLLM_SHARDS_PER_JOB``), so its engine stays full across shard
+boundaries; a shard is written as soon as its last reply is in.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -23,6 +26,7 @@ from .config import (
     RESPONSES_DIR,
     VLLM_BATCHES_PER_SHARD,
     VLLM_LOG_FILE,
+    VLLM_SHARDS_PER_JOB,
     DataGenConfig,
     mix_seed,
 )
@@ -84,14 +88,20 @@ class Target:
     def generate(
         self,
         prompts: list[list[int]],
-        seed: int,
+        seeds: list[int],
+        on_reply: Callable[[int, list[int]], None],
         on_event: Callable[[dict], None] | None = None,
         record: dict | None = None,
-    ) -> list[list[int]]:
-        """Completions of a batch of prompts, each cut after its first EOS.
+    ) -> None:
+        """Complete every prompt; ``on_reply(j, completion)`` gets prompt ``j``'s completion,
+        cut after its first EOS, as soon as it is done (vLLM: when its request finishes;
+        transformers: after the batch, in order).
 
-        ``seed`` seeds transformers' sampling; vLLM samples from its engine seed. On vLLM,
-        ``on_event`` receives the worker's event after every finished request
+        ``seeds[j]`` seeds prompt ``j``'s sampling. On vLLM it is the request's own seed, so
+        a reply depends on its prompt and seed, not on the requests that shared its steps
+        (up to the rounding of batched arithmetic); transformers samples the whole batch
+        from one generator seeded with ``seeds[0]``. On vLLM, ``on_event`` receives the
+        worker's event after every finished request
         (:meth:`~..serving.vllm_client.VllmWorker.run`), and ``record`` (a
         :class:`~.vllm_recorder.HiddenStatesRecorder` spec) has the engine record the hidden
         states of every token it computes; an engine that cannot record says why in the
@@ -111,17 +121,27 @@ class Target:
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                seed=cfg.seed, temperature=cfg.temperature, top_p=cfg.top_p, prefix_caching=True,
-                engine_overrides=overrides, record_hidden_states=record or {},
+                seed=cfg.seed, seeds=seeds, temperature=cfg.temperature, top_p=cfg.top_p,
+                prefix_caching=True, engine_overrides=overrides,
+                record_hidden_states=record or {},
             )  # fmt: skip
-            result = self.vllm.run(job, on_event)
+
+            def event(message: dict) -> None:
+                if message["event"] == "progress":
+                    on_reply(
+                        message["index"], completion_tokens(message["token_ids"], self.eos_ids)
+                    )
+                if on_event is not None:
+                    on_event(message)
+
+            result = self.vllm.run(job, event)
             if record and (result["recording"] or {}).get("error"):
                 self.record_error = result["recording"]["error"]
                 logger.warning(
                     "vLLM could not record the hidden states while generating (%s); a "
                     "second pass will capture them.", self.record_error,
                 )  # fmt: skip
-            return [completion_tokens(out, self.eos_ids) for out in result["outputs"]]
+            return
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -137,13 +157,14 @@ class Target:
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
         )
-        torch.manual_seed(seed)
+        torch.manual_seed(seeds[0])
         out = self.model.generate(
             input_ids=ids.to(cfg.device),
             attention_mask=mask.to(cfg.device),
             generation_config=gen_config,
         )
-        return [completion_tokens(row.tolist(), self.eos_ids) for row in out[:, width:].cpu()]
+        for j, row in enumerate(out[:, width:].cpu()):
+            on_reply(j, completion_tokens(row.tolist(), self.eos_ids))
 
     def decode_reply(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion, skip_special_tokens=True)
@@ -171,24 +192,52 @@ def completion_tokens(generated: list[int], eos_ids: list[int]) -> list[int]:
 
 
 def _regenerate(
-    target: Target, conversations: list[list[dict]], seed: int, on_event=None, record=None
-):
+    target: Target,
+    conversations: list[list[dict]],
+    indices: list[int],
+    seed: int,
+    on_complete: Callable[[int, list[dict]], None],
+    on_event=None,
+    record=None,
+) -> int:
     """Regenerate every assistant turn of a batch of conversations, turn by turn.
 
     Like speculators' ``regenerate-responses``: each user turn gets the target's reply to the
     conversation so far (with its own earlier replies), and each reply is one boundary row
     (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply; with
     ``record``, 0 on the reply's last token too, which has no recorded state).
-    Returns ``(rows, generated_tokens)``; ``rows[k]`` lists conversation k's rows.
-    ``on_event`` and ``record`` as in :meth:`Target.generate`.
+    ``on_complete(k, rows)`` gets conversation k's rows as soon as its last reply is in.
+    Turn t of conversation k samples with seed ``mix_seed(seed, indices[k], t)``: its reply
+    does not depend on the batch, so a resumed run draws what an uninterrupted one would.
+    Returns the number of generated tokens. ``on_event`` and ``record`` as in
+    :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
     rows: list[list[dict]] = [[] for _ in conversations]
     history: list[list[dict]] = [[] for _ in conversations]
     pending = [list(turns) for turns in conversations]
-    generated, round_index = 0, 0
-    while any(any(t["role"] == "user" for t in p) for p in pending):
+    generated, turn = 0, 0
+
+    def has_user_turn(k: int) -> bool:
+        return any(t["role"] == "user" for t in pending[k])
+
+    def on_reply(active: list[int], prompts: list[list[int]], j: int, reply: list[int]) -> None:
+        nonlocal generated
+        k = active[j]
+        input_ids, loss_mask = build_boundary_sample(prompts[j], reply)
+        if record:
+            loss_mask[-1] = 0
+        rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
+        history[k].append({"role": "assistant", "content": target.decode_reply(reply)})
+        generated += len(reply)
+        if not has_user_turn(k):
+            on_complete(k, rows[k])
+
+    for k in range(len(conversations)):
+        if not has_user_turn(k):
+            on_complete(k, rows[k])
+    while True:
         active, prompts = [], []
         for k, turns in enumerate(pending):
             users = [i for i, t in enumerate(turns) if t["role"] == "user"]
@@ -198,16 +247,11 @@ def _regenerate(
             del turns[: users[0] + 1]
             active.append(k)
             prompts.append(target.prompt_ids(history[k]))
-        replies = target.generate(prompts, mix_seed(seed, round_index), on_event, record)
-        for k, prompt, reply in zip(active, prompts, replies, strict=True):
-            input_ids, loss_mask = build_boundary_sample(prompt, reply)
-            if record:
-                loss_mask[-1] = 0
-            rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
-            history[k].append({"role": "assistant", "content": target.decode_reply(reply)})
-            generated += len(reply)
-        round_index += 1
-    return rows, generated
+        if not active:
+            return generated
+        seeds = [mix_seed(seed, indices[k], turn) for k in active]
+        target.generate(prompts, seeds, partial(on_reply, active, prompts), on_event, record)
+        turn += 1
 
 
 def _done_shards(responses: Path) -> dict[int, list[dict]]:
@@ -219,6 +263,31 @@ def _done_shards(responses: Path) -> dict[int, list[dict]]:
         except (ValueError, AttributeError):  # unreadable: written by hand or damaged
             shard.unlink()
     return done
+
+
+class _ShardFiles:
+    """The resume files of one job's conversations (``job``: their prompt indices), each
+    written as soon as the last of its ``shard_size`` conversations is complete."""
+
+    def __init__(self, responses: Path, job: list[int], shard_size: int, done: dict, bar):
+        self.responses, self.job, self.shard_size, self.done, self.bar = (
+            responses, job, shard_size, done, bar,
+        )  # fmt: skip
+        self.left = [len(job[s : s + shard_size]) for s in range(0, len(job), shard_size)]
+
+    def complete(self, k: int, rows: list[dict]) -> None:
+        """Conversation ``k`` of the job has all its rows."""
+        self.done[self.job[k]] = rows
+        self.bar.update(1)
+        n = k // self.shard_size
+        self.left[n] -= 1
+        if self.left[n] == 0:
+            shard = self.job[n * self.shard_size : (n + 1) * self.shard_size]
+            atomic_write_json(
+                self.responses / f"{shard[0]:09d}-{shard[-1]:09d}.json",
+                {str(i): self.done[i] for i in shard},
+                indent=None,
+            )
 
 
 def generate_responses(
@@ -237,7 +306,9 @@ def generate_responses(
     responses.mkdir(exist_ok=True)
     done = _done_shards(responses)
     todo = [i for i in range(len(prompts)) if i not in done]
-    shard_size = cfg.batch_size * (VLLM_BATCHES_PER_SHARD if cfg.backend == "vllm" else 1)
+    vllm = cfg.backend == "vllm"
+    shard_size = cfg.batch_size * (VLLM_BATCHES_PER_SHARD if vllm else 1)
+    job_size = shard_size * (VLLM_SHARDS_PER_JOB if vllm else 1)
     start, tokens = time.perf_counter(), 0
     with (
         target.generator(output / VLLM_LOG_FILE) if todo else nullcontext(),
@@ -245,23 +316,17 @@ def generate_responses(
     ):
 
         def live(event: dict) -> None:
-            # a vLLM shard is one job of hundreds of replies: its requests move the bar's
-            # figures while the count waits for the shard
-            if event["event"] == "progress" and event["wall_s"] > 0:
-                rate = event["output_tokens"] / event["wall_s"]
-                bar.set_postfix(requests=f"{event['done']}/{event['total']}", tok_s=f"{rate:.1f}")
+            if event["event"] == "progress":
+                rate = (tokens + event["output_tokens"]) / (time.perf_counter() - start)
+                bar.set_postfix(tok_s=f"{rate:.1f}")
 
-        for b in range(0, len(todo), shard_size):
-            batch = todo[b : b + shard_size]
-            rows, generated = _regenerate(
-                target, [prompts[i] for i in batch], mix_seed(cfg.seed, batch[0]), live, record
+        for j in range(0, len(todo), job_size):
+            job = todo[j : j + job_size]
+            shards = _ShardFiles(responses, job, shard_size, done, bar)
+            conversations = [prompts[i] for i in job]
+            tokens += _regenerate(
+                target, conversations, job, cfg.seed, shards.complete, live, record
             )
-            shard = {str(i): r for i, r in zip(batch, rows, strict=True)}
-            shard_path = responses / f"{batch[0]:09d}-{batch[-1]:09d}.json"
-            atomic_write_json(shard_path, shard, indent=None)
-            done.update({i: r for i, r in zip(batch, rows, strict=True)})
-            tokens += generated
-            bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     if todo:
         elapsed = time.perf_counter() - start

@@ -16,13 +16,12 @@ from collections.abc import Callable, Sequence
 
 def drive(
     engine,
-    requests: Sequence[tuple[str, object]],
-    params,
+    requests: Sequence[tuple[str, object, object]],
     concurrency: int,
     on_finished: Callable[[object], None],
 ) -> int:
-    """Feed ``requests`` (``(request_id, prompt)``) to ``engine`` keeping ``concurrency`` in
-    flight; ``on_finished`` gets every finished ``RequestOutput``.
+    """Feed ``requests`` (``(request_id, prompt, sampling params)``) to ``engine`` keeping
+    ``concurrency`` in flight; ``on_finished`` gets every finished ``RequestOutput``.
 
     Args:
         engine: anything with vLLM ``LLMEngine``'s ``add_request(id, prompt, params)``,
@@ -40,8 +39,7 @@ def drive(
     def refill() -> None:
         nonlocal in_flight, most
         while pending and in_flight < concurrency:
-            request_id, prompt = pending.pop()
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(*pending.pop())
             in_flight += 1
         most = max(most, in_flight)
 

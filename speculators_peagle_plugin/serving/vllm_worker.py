@@ -8,7 +8,8 @@ Protocol, one JSON object a line:
   ``{"op": "quit"}``.
 - out (the original stdout; everything vLLM prints goes to stderr): ``{"event": "ready"}``
   once, then per job ``{"event": "engine", ...}`` when an engine is built,
-  ``{"event": "progress", ...}`` after each finished request, and one
+  ``{"event": "progress", "index", "token_ids", ...}`` after each finished request (its
+  position in the job's prompts, its generated tokens), and one
   ``{"event": "result", ...}`` or ``{"event": "error", "message": ...}``.
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by the driver for ``in_process``) keeps the
@@ -122,24 +123,32 @@ class Worker:
 
         llm = self.engine(job)
         engine = llm.llm_engine
-        # Only finished requests' token ids are read: no text, and no per-step outputs
-        # (vLLM's default rebuilds every running request's output at every step).
-        params = SamplingParams(
-            temperature=job.temperature,
-            top_p=job.top_p,
-            max_tokens=job.max_tokens,
-            ignore_eos=job.ignore_eos,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+
+        def params(seed: int | None):
+            # Only finished requests' token ids are read: no text, and no per-step outputs
+            # (vLLM's default rebuilds every running request's output at every step).
+            return SamplingParams(
+                temperature=job.temperature,
+                top_p=job.top_p,
+                max_tokens=job.max_tokens,
+                ignore_eos=job.ignore_eos,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                seed=seed,
+            )
+
         has_draft = bool(job.draft)
         first = _counters(llm) if has_draft else None
         self.serial += 1
         ids = [f"{self.serial}-{i}" for i in range(len(job.prompts))]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        seeds = job.seeds if job.seeds is not None else [None] * len(ids)
+        shared = params(None)
         requests = [
-            (request_id, TokensPrompt(prompt_token_ids=list(prompt)))
-            for request_id, prompt in zip(ids, job.prompts, strict=True)
-        ]
+            (request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+             shared if seed is None else params(seed))
+            for request_id, prompt, seed in zip(ids, job.prompts, seeds, strict=True)
+        ]  # fmt: skip
         outputs: dict[str, list[int]] = {}
         tpot: dict[str, float | None] = {}
         histograms: dict[str, list[int] | None] = {}
@@ -153,6 +162,8 @@ class Worker:
             self.emit(
                 {
                     "event": "progress",
+                    "index": index[out.request_id],
+                    "token_ids": outputs[out.request_id],
                     "done": len(outputs),
                     "total": len(ids),
                     "output_tokens": sum(map(len, outputs.values())),
@@ -162,7 +173,7 @@ class Worker:
             )
 
         recording = _start_recording(llm, job.record_hidden_states)
-        drive(engine, requests, params, job.batch_size, on_finished)
+        drive(engine, requests, job.batch_size, on_finished)
         if job.engine_overrides.get("kv_transfer_config"):
             _flush_kv_connector(engine)
         if recording is None and job.record_hidden_states:
