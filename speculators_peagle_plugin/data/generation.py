@@ -97,11 +97,11 @@ class Target:
         cut after its first EOS, as soon as it is done (vLLM: when its request finishes;
         transformers: after the batch, in order).
 
-        ``seeds[j]`` seeds prompt ``j``'s sampling. On vLLM it is the request's own seed, so
-        a reply depends on its prompt and seed, not on the requests that shared its steps
-        (up to the rounding of batched arithmetic); transformers samples the whole batch
-        from one generator seeded with ``seeds[0]``. On vLLM, ``on_event`` receives the
-        worker's event after every finished request
+        ``seeds[j]`` seeds prompt ``j``'s sampling. On vLLM it is the request's own seed
+        (greedy requests get none), so a reply depends on its prompt and seed, not on the
+        requests that shared its steps (up to the rounding of batched arithmetic); transformers
+        samples the whole batch from one generator seeded with ``seeds[0]``. On vLLM,
+        ``on_event`` receives the worker's event after every finished request
         (:meth:`~..serving.vllm_client.VllmWorker.run`), and ``record`` (a
         :class:`~.vllm_recorder.HiddenStatesRecorder` spec) has the engine record the hidden
         states of every token it computes; an engine that cannot record says why in the
@@ -121,7 +121,8 @@ class Target:
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                seed=cfg.seed, seeds=seeds, temperature=cfg.temperature, top_p=cfg.top_p,
+                seed=cfg.seed, seeds=seeds if cfg.temperature > 0 else None,
+                temperature=cfg.temperature, top_p=cfg.top_p,
                 prefix_caching=True, engine_overrides=overrides,
                 record_hidden_states=record or {},
             )  # fmt: skip
