@@ -163,5 +163,102 @@ def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     assert config.concurrency == (1, 4, 16) and config.ks == (1, 2, 4)
     assert config.resolved_kv_cache_gb() == CPU_KV_CACHE_GB  # no GPU here
     assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb() == 2
+    # engines alive at once share the cache, 1 GiB each at least
+    assert config.resolved_kv_cache_gb(2) == CPU_KV_CACHE_GB // 2
+    assert EvalConfig(target=str(tmp_path), kv_cache_gb=5).resolved_kv_cache_gb(2) == 2
+    assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb(4) == 1
+    assert config.resolved_interleave() and not EvalConfig(
+        target=str(tmp_path), interleave=False).resolved_interleave()  # fmt: skip
     with pytest.raises(ValueError, match="every concurrency must be an integer >= 1"):
         EvalConfig(target=str(tmp_path), concurrency=(0, 4))
+
+
+class FakeWorker:
+    """A VllmWorker stand-in: each prompt's figures depend only on the prompt and the engine,
+    so a cell decoded whole and in pieces must report the same. Logs every call."""
+
+    calls: list[tuple] = []  # (worker, K, concurrency, first token of each prompt)
+    closed: list[tuple[int, int]] = []  # (worker, calls made when it closed)
+    started = 0
+
+    def __init__(self, log_path, in_process=False, kv_cache_gb=None):
+        self.id, self.runs = FakeWorker.started, 0
+        FakeWorker.started += 1
+
+    def run(self, job, on_event=None):
+        k = job.num_speculative_tokens or 0
+        firsts = [p[0] for p in job.prompts]
+        FakeWorker.calls.append((self.id, k, job.batch_size, firsts))
+        self.runs += 1
+        rngs = [random.Random(f * 7 + k) for f in firsts]
+        histograms = [[r.randrange(5) for _ in range(k + 1)] for r in rngs] if k else None
+        for done in range(1, len(firsts) + 1):
+            on_event({"event": "progress", "done": done, "output_tokens": done, "wall_s": 1.0,
+                      "counters": None})  # fmt: skip
+        return {
+            "counters": SpecDecodeCounters.from_histograms(histograms).to_dict() if k else None,
+            "output_tokens": sum(10 + f for f in firsts),
+            "wall_s": sum(0.5 + 0.1 * f + 0.01 * k for f in firsts),
+            "time_per_output_token_s": [0.01 * f for f in firsts],
+            "accepted_histograms": histograms,
+            "outputs": [[f, k] for f in firsts],
+            "engine": {"k": k} if self.runs == 1 else None,  # the job that started it
+        }
+
+    def close(self):
+        FakeWorker.closed.append((self.id, len(FakeWorker.calls)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, monkeypatch, seed):
+    """eval's engines take turns at concurrency 1, one prompt each, the order rotating; each
+    engine has its own worker, which quits after its last piece; the merged cells equal the
+    same cells decoded whole, one engine after another (--no-interleave)."""
+    from speculators_peagle_plugin.evaluation import harness
+    from speculators_peagle_plugin.serving import reference
+
+    monkeypatch.setattr(harness, "VllmWorker", FakeWorker)
+    monkeypatch.setattr(reference, "stop_token_ids", lambda *a: set())
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft").mkdir()
+    rng = random.Random(seed)
+    sizes = {"a": rng.randrange(2, 7), "b": rng.randrange(1, 5)}  # ragged sets
+    prompts = {name: [[rng.randrange(1, 99)] for _ in range(n)] for name, n in sizes.items()}
+    whole_sets = [[p[0] for p in ps] for ps in prompts.values()]
+    runs = {}
+    for interleave in (True, False):
+        FakeWorker.calls, FakeWorker.closed = [], []
+        config = EvalConfig(target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=(1, 2),
+                            concurrency=(1, 3), prompt_sets=("a", "b"), interleave=interleave,
+                            output_dir=str(tmp_path / "out"))  # fmt: skip
+        jobs = harness._jobs(config, prompts)
+        runs[interleave] = harness._run_jobs(config, jobs, None, tmp_path / "out")
+        calls, closed = FakeWorker.calls, FakeWorker.closed
+        workers = {c[0] for c in calls}
+        if not interleave:  # one worker, every job whole, in order
+            assert len(workers) == 1 and closed == [(calls[0][0], len(calls))]
+            assert [c[1:] for c in calls] == [
+                (j.engine.num_speculative_tokens or 0, j.engine.batch_size,
+                 [p[0] for p in j.engine.prompts]) for j in jobs]  # fmt: skip
+            continue
+        # one worker per engine (K = 0, 1, 2), closed right after its last call
+        assert sorted({c[1] for c in calls if c[0] == w}.pop() for w in workers) == [0, 1, 2]
+        assert all(len({c[1] for c in calls if c[0] == w}) == 1 for w in workers)
+        assert sorted(closed) == sorted(
+            (w, 1 + max(n for n, c in enumerate(calls) if c[0] == w)) for w in workers
+        )
+        single = [c for c in calls if c[2] == 1]
+        assert calls[: len(single)] == single  # concurrency 1 first, one prompt per turn
+        expected = []
+        for name in ("a", "b"):
+            for n, p in enumerate(prompts[name]):
+                expected += [(k, [p[0]]) for k in ([0, 1, 2][n % 3 :] + [0, 1, 2][: n % 3])]
+        assert [(c[1], c[3]) for c in single] == expected
+        assert all(c[3] in whole_sets for c in calls[len(single) :])  # the rest whole
+    strip = ("pieces", "engine")
+    turns = [{k: v for k, v in r.items() if k not in strip} for r in runs[True]]
+    assert turns == [{k: v for k, v in r.items() if k not in strip} for r in runs[False]]
+    assert [r["pieces"] for r in runs[True]] == [
+        sizes[r["prompt_set"]] if r["concurrency"] == 1 else 1 for r in runs[True]
+    ]
+    assert sum(r["engine"] is not None for r in runs[True]) == 3  # each engine started once

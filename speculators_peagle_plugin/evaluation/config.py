@@ -46,14 +46,19 @@ class EvalConfig:
         ignore_eos: decode exactly ``max_new_tokens`` tokens.
         dtype: model dtype; output_dir: where record.json and the PNG figures go.
         seed: the engine's seed.
-        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = ``CPU_KV_CACHE_GB``
-            on CPU, vLLM's default on GPU (:meth:`resolved_kv_cache_gb`).
+        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``), shared by the engines
+            alive at once; None = ``CPU_KV_CACHE_GB`` on CPU, vLLM's default on GPU
+            (:meth:`resolved_kv_cache_gb`).
         enforce_eager: vLLM's ``enforce_eager``; False (vLLM's default, what ``vllm serve``
             runs) compiles the target and the draft at each engine start.
         in_process: run vLLM's engine core inside the worker process instead of its own
             (vLLM's default). An engine then starts several times faster on CPU, but the
             frontend shares the engine's pinned core, so tokens/s drop: for tests and
             acceptance-only runs.
+        interleave: on CPU, keep every engine alive and run the concurrency-1 cells in
+            turns, one prompt per engine per turn (:func:`~.harness.plan_turns`), so that
+            the machine's drift between minutes cancels out of their speedups. False, or a
+            GPU (whose memory one engine claims), runs one engine after another.
     """
 
     target: str = _opt(help="Local target directory.", show=None)
@@ -100,7 +105,9 @@ class EvalConfig:
     )
     seed: int = 0  # the engine's seed; not a flag
     kv_cache_gb: int | None = _opt(
-        None, "vLLM CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE).", show=f"{CPU_KV_CACHE_GB} on CPU"
+        None,
+        "vLLM CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), shared by the engines alive at once.",
+        show=f"{CPU_KV_CACHE_GB} on CPU",
     )
     in_process: bool = _opt(
         False, "vLLM engine core inside the worker: fast start, slower tokens/s.", show=None
@@ -110,6 +117,14 @@ class EvalConfig:
         "Run the models without compiling them (vLLM's --enforce-eager): each engine starts "
         "sooner, but decodes slower than `vllm serve` does by default, so tokens/s and "
         "speedups are not the served ones.",
+        show=None,
+    )
+    interleave: bool = _opt(
+        True,
+        "Run the concurrency-1 cells one engine after another instead of in turns, one "
+        "prompt per engine (on CPU, where every engine then stays alive at once).",
+        flag="--no-interleave",
+        negate=True,
         show=None,
     )
 
@@ -140,13 +155,25 @@ class EvalConfig:
             if not Path(draft).is_dir():
                 raise ValueError(f"draft checkpoint {draft!r} is not a directory.")
 
-    def resolved_kv_cache_gb(self) -> int | None:
-        """The KV cache the vLLM worker gets: the flag, else ``CPU_KV_CACHE_GB`` on CPU."""
-        if self.kv_cache_gb is not None or self.backend != "vllm":
+    def resolved_kv_cache_gb(self, engines_alive: int = 1) -> int | None:
+        """The KV cache each vLLM worker gets: the flag, else ``CPU_KV_CACHE_GB`` on CPU,
+        shared by the engines alive at once (at least 1 GiB each)."""
+        if self.backend != "vllm":
             return self.kv_cache_gb
+        total = self.kv_cache_gb
+        if total is None:
+            import torch
+
+            total = None if torch.cuda.is_available() else CPU_KV_CACHE_GB
+        return None if total is None else max(1, total // engines_alive)
+
+    def resolved_interleave(self) -> bool:
+        """Whether the concurrency-1 cells run in turns: asked for, vLLM, and no GPU."""
+        if not self.interleave or self.backend != "vllm":
+            return False
         import torch
 
-        return None if torch.cuda.is_available() else CPU_KV_CACHE_GB
+        return not torch.cuda.is_available()
 
 
 def _positive_int(value) -> bool:

