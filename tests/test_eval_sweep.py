@@ -213,7 +213,8 @@ class FakeWorker:
 def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, monkeypatch, seed):
     """eval's engines take turns at concurrency 1, one prompt each, the order rotating; each
     engine has its own worker, which quits after its last piece; the merged cells equal the
-    same cells decoded whole, one engine after another (--no-interleave)."""
+    same cells decoded whole, one engine after another (--no-interleave). Before its turn an
+    engine waits out the previous one's busy polling."""
     from speculators_peagle_plugin.evaluation import harness
     from speculators_peagle_plugin.serving import reference
 
@@ -227,7 +228,8 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
     whole_sets = [[p[0] for p in ps] for ps in prompts.values()]
     runs = {}
     for interleave in (True, False):
-        FakeWorker.calls, FakeWorker.closed = [], []
+        FakeWorker.calls, FakeWorker.closed, sleeps = [], [], []
+        monkeypatch.setattr(harness.time, "sleep", sleeps.append)
         config = EvalConfig(target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=(1, 2),
                             concurrency=(1, 3), prompt_sets=("a", "b"), interleave=interleave,
                             output_dir=str(tmp_path / "out"))  # fmt: skip
@@ -235,6 +237,9 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
         runs[interleave] = harness._run_jobs(config, jobs, None, tmp_path / "out")
         calls, closed = FakeWorker.calls, FakeWorker.closed
         workers = {c[0] for c in calls}
+        switches = sum(a[0] != b[0] for a, b in zip(calls, calls[1:], strict=False))
+        assert len(sleeps) == switches
+        assert all(harness.VLLM_BUSY_LOOP_S < s < harness.VLLM_BUSY_LOOP_S + 1 for s in sleeps)
         if not interleave:  # one worker, every job whole, in order
             assert len(workers) == 1 and closed == [(calls[0][0], len(calls))]
             assert [c[1:] for c in calls] == [

@@ -232,9 +232,17 @@ def merge_pieces(pieces: Sequence[dict]) -> dict:
     }
 
 
+# After its last step a vLLM engine's processes keep polling their shared-memory queues for
+# this long (vllm.distributed.device_communicators.shm_broadcast.SpinCondition's busy loop),
+# taking a core from whatever runs next.
+VLLM_BUSY_LOOP_S = 1.0
+
+
 class _Workers:
     """The sweep's vLLM workers: one that builds each engine in turn, or, when the engines
-    take turns, one per (draft, K), alive from its first job to its last."""
+    take turns, one per (draft, K), alive from its first job to its last. An engine whose
+    turn it is waits until the previous one has stopped polling, so that every piece runs
+    on a quiet machine as a whole cell does."""
 
     def __init__(self, config: EvalConfig, out_dir: Path, plan: list[tuple[int, VllmJob]],
                  separate: bool, bar):  # fmt: skip
@@ -243,6 +251,7 @@ class _Workers:
         alive = len(self.last)
         self.kv_cache_gb = config.resolved_kv_cache_gb(alive)
         self.workers: dict[tuple, VllmWorker] = {}
+        self.previous: tuple[tuple, float] | None = None  # (engine, when its piece ended)
         if self.kv_cache_gb is not None:
             shared = f" per engine, {alive} engines alive at once" if separate else ""
             bar.write(f"vLLM CPU KV cache: {self.kv_cache_gb} GiB{shared} (--kv-cache-gb)")
@@ -258,7 +267,10 @@ class _Workers:
             self.workers[key] = VllmWorker(
                 self.out_dir / log, self.config.in_process, self.kv_cache_gb
             )
+        if self.previous is not None and self.previous[0] != key:
+            time.sleep(max(0.0, self.previous[1] + VLLM_BUSY_LOOP_S + 0.1 - time.monotonic()))
         result = self.workers[key].run(job, on_event)
+        self.previous = (key, time.monotonic())
         if self.separate and self.last[key] == n:
             self.workers.pop(key).close()
         return result
