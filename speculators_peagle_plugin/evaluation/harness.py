@@ -238,6 +238,11 @@ def merge_pieces(pieces: Sequence[dict]) -> dict:
 VLLM_BUSY_LOOP_S = 1.0
 
 
+def _engine(job: VllmJob) -> tuple:
+    """Which engine runs ``job``: one per (draft, K)."""
+    return (job.draft, job.num_speculative_tokens)
+
+
 class _Workers:
     """The sweep's vLLM workers: one that builds each engine in turn, or, when the engines
     take turns, one per (draft, K), alive from its first job to its last. An engine whose
@@ -257,7 +262,7 @@ class _Workers:
             bar.write(f"vLLM CPU KV cache: {self.kv_cache_gb} GiB{shared} (--kv-cache-gb)")
 
     def _key(self, job: VllmJob) -> tuple:
-        return (job.draft, job.num_speculative_tokens) if self.separate else ()
+        return _engine(job) if self.separate else ()
 
     def run(self, n: int, job: VllmJob, on_event) -> dict:
         """Run piece ``n`` of the plan; a worker whose last piece this is then quits."""
@@ -288,7 +293,7 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
     from ..serving.reference import stop_token_ids
 
     stop_ids = stop_token_ids(config.target, tokenizer)
-    engines = {(j.engine.draft, j.engine.num_speculative_tokens) for j in jobs}
+    engines = {_engine(j.engine) for j in jobs}
     turns = (config.resolved_interleave() and len(engines) > 1
              and any(j.engine.batch_size == 1 for j in jobs))  # fmt: skip
     plan = plan_turns(jobs, turns)
