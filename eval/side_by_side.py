@@ -18,7 +18,8 @@ speculators' ``Trainer`` runs them), for the same number of optimizer steps:
   loop, sequence partitions and all, as configured in the YAML);
 - theirs: a minimal loop around speculators' forward (its ``Trainer`` needs a GPU):
   eager KL loss, its own COD sampler on the global torch RNG, seeded per step, with
-  ``speculators train``'s cap on chain starts (``--theirs-max-anchors none``: ours).
+  ``speculators train``'s cap on chain starts and COD decay ratio r (``--theirs-max-anchors
+  none`` / ``--theirs-down-sample-ratio none``: ours).
 
 Each side trains in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own; the
 training time is the optimizer-step loop alone (data opened, draft built and checkpoint
@@ -102,6 +103,7 @@ def train_theirs(spec: dict) -> dict:
     loss_config = resolve_loss_config("kl_div", "eager")
     cod = config.cod
     max_anchors = spec.get("theirs_max_anchors", cod.max_anchors)
+    ratio = spec.get("theirs_down_sample_ratio") or cod.down_sample_ratio
     losses = []
     began = time.perf_counter()
     for step in range(total):
@@ -114,7 +116,7 @@ def train_theirs(spec: dict) -> dict:
         with autocast_context(config, torch.device("cpu")):  # as speculators' Trainer does
             _, loss, _ = model(
                 **batch, loss_config=loss_config, max_anchors=max_anchors,
-                num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
+                num_depths=cod.num_depths, down_sample_ratio=ratio,
                 down_sample_ratio_min=cod.down_sample_ratio_min,
             )  # fmt: skip
         loss.backward()
@@ -146,6 +148,13 @@ def _speculators_max_anchors() -> int | None:
     return DataArgs.model_fields["max_anchors"].default
 
 
+def _speculators_down_sample_ratio() -> float:
+    """``speculators train``'s default COD decay ratio r for P-EAGLE."""
+    from speculators.train.config.schema import PEagleArgs
+
+    return PEagleArgs.model_fields["down_sample_ratio"].default
+
+
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
@@ -160,6 +169,11 @@ def _parse_args() -> argparse.Namespace:
         "--theirs-max-anchors", type=lambda t: None if t.lower() == "none" else int(t),
         default=_speculators_max_anchors(),
         help="speculators' COD chain cap; none = ours [default: speculators train's default].",
+    )
+    parser.add_argument(
+        "--theirs-down-sample-ratio", type=lambda t: None if t.lower() == "none" else float(t),
+        default=_speculators_down_sample_ratio(),
+        help="speculators' COD decay ratio r; none = ours [default: speculators train's default].",
     )
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -180,7 +194,8 @@ def _train_sides(spec: dict) -> dict:
 def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     ours, theirs = results["ours"], results["theirs"]
     print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}; "
-          f"speculators' max_anchors {spec.get('theirs_max_anchors')}\n")  # fmt: skip
+          f"speculators' max_anchors {spec.get('theirs_max_anchors')}, "
+          f"r {spec.get('theirs_down_sample_ratio') or 'ours'}\n")  # fmt: skip
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
@@ -209,6 +224,7 @@ def main() -> None:
         "steps": args.steps or demo["steps_demo"],  # None: the YAML's epochs, as the demo
         "out": str(out), "threads": args.threads, "seed": args.seed,
         "theirs_max_anchors": args.theirs_max_anchors,
+        "theirs_down_sample_ratio": args.theirs_down_sample_ratio,
     }  # fmt: skip
     results = _train_sides(spec)
     prompts = args.eval_prompts or demo["eval_prompts"]

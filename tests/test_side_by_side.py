@@ -75,18 +75,25 @@ def test_partitioned_ours_matches_theirs_too(spec, tmp_path):
     )
 
 
-def test_theirs_max_anchors_is_their_chain_cap_and_our_config_else(spec, tmp_path):
-    """The cap reaches their sampler: with ours' (none) both agree, with a cap below the
-    rows' supervised positions theirs samples fewer chains and its losses move."""
-    same = dict(spec, out=str(tmp_path / "same"), steps=2, theirs_max_anchors=None)
-    capped = dict(spec, out=str(tmp_path / "capped"), steps=2, theirs_max_anchors=8)
+@pytest.mark.parametrize(
+    "key, theirs_value, speculators_default",
+    [("max_anchors", 8, 512), ("down_sample_ratio", 0.3, 0.7)],  # speculators 0.9.0's defaults
+)
+def test_theirs_cod_knobs_are_their_own_and_our_config_else(
+    spec, tmp_path, key, theirs_value, speculators_default
+):
+    """The chain cap and the COD ratio reach their sampler: with ours' (none) both sides
+    agree; with a cap below the rows' supervised positions, or another ratio, theirs samples
+    other chains and its losses move."""
+    same = dict(spec, out=str(tmp_path / "same"), steps=2, **{f"theirs_{key}": None})
+    other = dict(spec, out=str(tmp_path / "other"), steps=2, **{f"theirs_{key}": theirs_value})
     ours = torch.tensor(side_by_side.train_ours(same)["losses"])
     torch.testing.assert_close(
         torch.tensor(side_by_side.train_theirs(same)["losses"]), ours, rtol=1e-4, atol=1e-7
     )
-    theirs = torch.tensor(side_by_side.train_theirs(capped)["losses"])
+    theirs = torch.tensor(side_by_side.train_theirs(other)["losses"])
     assert (theirs - ours).abs().max() > 1e-3
-    assert side_by_side._speculators_max_anchors() == 512  # speculators 0.9.0's default
+    assert getattr(side_by_side, f"_speculators_{key}")() == speculators_default
 
 
 def test_both_sides_train_alike_under_autocast(spec, tmp_path):
