@@ -9,7 +9,11 @@ Both sides start from ONE draft:
 :func:`~speculators_peagle_plugin.training.loop.build_training` on the demo's YAML builds
 it (layers, draft vocabulary, K, r, r_min, seed), and the speculators side copies its
 weights into ``speculators.models.peagle.core.PEagleDraftModel``
-(``load_state_dict(strict=True)``) with the same trainable parameters. Both then take the
+(``load_state_dict(strict=True)``) with the same trainable parameters.
+``--theirs-draft speculators`` gives theirs the draft ``speculators train`` builds instead:
+the same YAML without the recipe's draft-construction choices that speculators does not
+make (``SPECULATORS_DRAFT``: the layer starts random, with the verifier's key/value heads),
+built by the same code on speculators' own ``from_training_args``. Both then take the
 same packed rows in the same order, with the same AdamW, warmup schedule, gradient
 clipping and precision (the YAML's ``autocast``: forwards under ``torch.autocast``, as
 speculators' ``Trainer`` runs them), for the same number of optimizer steps:
@@ -42,19 +46,28 @@ from speculators_peagle_plugin.common.files import atomic_write_text
 from speculators_peagle_plugin.evaluation.report import provenance
 
 SIDES = {"ours": "peagle-plugin", "theirs": "speculators-builtin"}  # side -> draft dir name
+# The YAML keys of the draft's construction whose TrainConfig defaults are what
+# `speculators train` builds (a random layer with the verifier's key/value heads).
+SPECULATORS_DRAFT = ("draft_init", "num_key_value_heads")
 
 
 def _train_config(spec: dict, side: str):
+    import dataclasses
+
     from speculators_peagle_plugin.training.config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.
     seed = {} if spec.get("seed") is None else {"seed": spec["seed"]}
-    return TrainConfig.from_sources(
+    config = TrainConfig.from_sources(
         spec["config"], verifier_name_or_path=spec["target"], data_path=spec["data"],
         save_path=str(Path(spec["out"]) / f"{side}-train"), max_steps=spec["steps"],
         checkpoint_freq=1e9, keep_checkpoints=1, log_freq=1, no_resume_from_checkpoint=True,
         **seed,
     )  # fmt: skip
+    if side == "theirs" and spec.get("theirs_draft") == "speculators":
+        fields = TrainConfig.__dataclass_fields__
+        config = dataclasses.replace(config, **{k: fields[k].default for k in SPECULATORS_DRAFT})
+    return config
 
 
 def train_ours(spec: dict) -> dict:
@@ -175,6 +188,11 @@ def _parse_args() -> argparse.Namespace:
         default=_speculators_down_sample_ratio(),
         help="speculators' COD decay ratio r; none = ours [default: speculators train's default].",
     )
+    parser.add_argument(
+        "--theirs-draft", choices=("ours", "speculators"), default="ours",
+        help="theirs' initial draft: ours' (one draft for both), or the one speculators "
+        "train builds (random layer, the verifier's key/value heads) [default: ours].",
+    )  # fmt: skip
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -195,7 +213,8 @@ def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     ours, theirs = results["ours"], results["theirs"]
     print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}; "
           f"speculators' max_anchors {spec.get('theirs_max_anchors')}, "
-          f"r {spec.get('theirs_down_sample_ratio') or 'ours'}\n")  # fmt: skip
+          f"r {spec.get('theirs_down_sample_ratio') or 'ours'}, "
+          f"initial draft {spec.get('theirs_draft', 'ours')}\n")  # fmt: skip
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
@@ -225,6 +244,7 @@ def main() -> None:
         "out": str(out), "threads": args.threads, "seed": args.seed,
         "theirs_max_anchors": args.theirs_max_anchors,
         "theirs_down_sample_ratio": args.theirs_down_sample_ratio,
+        "theirs_draft": args.theirs_draft,
     }  # fmt: skip
     results = _train_sides(spec)
     prompts = args.eval_prompts or demo["eval_prompts"]

@@ -96,6 +96,37 @@ def test_theirs_cod_knobs_are_their_own_and_our_config_else(
     assert getattr(side_by_side, f"_speculators_{key}")() == speculators_default
 
 
+def test_theirs_draft_speculators_is_the_draft_speculators_train_builds(spec, tmp_path):
+    """With the recipe's verifier start and 4 key/value heads, ``theirs_draft="speculators"``
+    trains what ``speculators train`` builds instead: a random layer (another first loss)
+    with the verifier's 2 key/value heads; ours keeps the recipe."""
+    config = tmp_path / "recipe.yaml"
+    recipe_keys = "draft_init: verifier\nnum_key_value_heads: 4\n"
+    config.write_text(open(spec["config"]).read() + recipe_keys)
+    runs = {}
+    for name, theirs_draft in (("same", "ours"), ("defaults", "speculators")):
+        each = dict(spec, config=str(config), out=str(tmp_path / name), steps=1,
+                    theirs_draft=theirs_draft)  # fmt: skip
+        runs[name] = (side_by_side.train_ours(each), side_by_side.train_theirs(each))
+    (ours, same), (_, theirs) = runs["same"], runs["defaults"]
+    torch.testing.assert_close(torch.tensor(same["losses"]), torch.tensor(ours["losses"]),
+                               rtol=1e-4, atol=1e-7)  # fmt: skip
+    assert abs(theirs["losses"][0] - ours["losses"][0]) > 1e-3  # another initial draft
+
+    def kv_heads(side):
+        layer = json.loads(open(f"{side['draft']}/config.json").read())
+        return layer["transformer_layer_config"]["num_key_value_heads"]
+
+    assert kv_heads(ours) == kv_heads(same) == 4 and kv_heads(theirs) == 2  # tiny target: 2
+    # theirs' config: speculators' construction (the TrainConfig defaults) in every key
+    recipe = side_by_side._train_config(dict(spec, config=str(config), out=str(tmp_path)), "ours")
+    defaults = side_by_side._train_config(
+        dict(spec, config=str(config), out=str(tmp_path), theirs_draft="speculators"), "theirs"
+    )
+    assert all(getattr(recipe, k) != getattr(defaults, k) for k in side_by_side.SPECULATORS_DRAFT)
+    assert (defaults.draft_init, defaults.num_key_value_heads) == ("random", None)
+
+
 def test_both_sides_train_alike_under_autocast(spec, tmp_path):
     """The YAML's mixed precision reaches both sides: their losses move off float32's
     together (bfloat16 products of different shapes: close, not equal)."""
