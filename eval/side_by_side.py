@@ -27,18 +27,15 @@ speculators' ``Trainer`` runs them), for the same number of optimizer steps:
 
 Each side trains in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own; the
 training time is the optimizer-step loop alone (data opened, draft built and checkpoint
-written outside it, on both sides). The sides run one after the other, so a machine that
-slows for a while moves the totals' ratio; the ratio of the median step times moves less.
-Then both drafts are served by vLLM's parallel-drafting runtime in one ``speculators-peagle
-eval`` run on the held-out prompts. The figures go to ``OUT/side_by_side.json`` and a
-markdown table on stdout (pasted into eval/RESULTS.md).
+written outside it, on both sides). Then both drafts are served by vLLM's parallel-drafting
+runtime in one ``speculators-peagle eval`` run on the held-out prompts. The figures go to
+``OUT/side_by_side.json`` and a markdown table on stdout (pasted into eval/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,7 +84,6 @@ def train_ours(spec: dict) -> dict:
     return {
         "steps": records[-1]["step"],
         "train_s": records[-1]["wall_s"],  # first step start -> last step end
-        "median_step_s": median_step_s([r["wall_s"] for r in records]),
         "losses": [r["loss"] for r in records],
         "draft": str(draft),
     }
@@ -121,7 +117,7 @@ def train_theirs(spec: dict) -> dict:
     cod = config.cod
     max_anchors = spec.get("theirs_max_anchors", cod.max_anchors)
     ratio = spec.get("theirs_down_sample_ratio") or cod.down_sample_ratio
-    losses, walls = [], []
+    losses = []
     began = time.perf_counter()
     for step in range(total):
         epoch, index = divmod(step, len(batches))
@@ -142,20 +138,11 @@ def train_theirs(spec: dict) -> dict:
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
-        walls.append(time.perf_counter() - began)
         print(f"  [theirs] step {step + 1}/{total} loss {losses[-1]:.4f}", file=sys.stderr)
+    train_s = time.perf_counter() - began
     draft = Path(spec["out"]) / SIDES["theirs"]
     save_atomically(model, draft)
-    return {
-        "steps": total, "train_s": walls[-1], "median_step_s": median_step_s(walls),
-        "losses": losses, "draft": str(draft),
-    }  # fmt: skip
-
-
-def median_step_s(walls: list[float]) -> float:
-    """The median step time from the loop's wall clock at the end of each step (from its
-    start). Example: [0.5, 0.7, 1.0] -> steps [0.5, 0.2, 0.3] -> 0.3."""
-    return statistics.median(b - a for a, b in zip([0.0, *walls], walls, strict=False))
+    return {"steps": total, "train_s": train_s, "losses": losses, "draft": str(draft)}
 
 
 def worker(side: str, spec: dict) -> None:
@@ -232,9 +219,6 @@ def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
           f"{theirs['train_s'] / ours['train_s']:.2f}x faster |")  # fmt: skip
-    print(f"| median step (ms) | {ours['median_step_s'] * 1e3:.1f} | "
-          f"{theirs['median_step_s'] * 1e3:.1f} | "
-          f"{theirs['median_step_s'] / ours['median_step_s']:.2f}x faster |")  # fmt: skip
     print(f"| peak RSS (GiB) | {ours['peak_rss_gib']:.2f} | {theirs['peak_rss_gib']:.2f} | "
           f"{ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}x |")  # fmt: skip
     print(f"| final loss | {ours['losses'][-1]:.3f} | {theirs['losses'][-1]:.3f} | |")

@@ -6,7 +6,6 @@ losses of every step agree, and so do the trained weights.
 """
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -37,8 +36,7 @@ def test_both_sides_train_the_same_draft_alike(spec):
     ours = side_by_side.train_ours(spec)
     theirs = side_by_side.train_theirs(spec)
     assert ours["steps"] == theirs["steps"] == 4
-    for side in (ours, theirs):
-        assert 0 < side["median_step_s"] <= side["train_s"]
+    assert ours["train_s"] > 0 and theirs["train_s"] > 0
     torch.testing.assert_close(
         torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-4, atol=1e-7
     )
@@ -52,17 +50,6 @@ def test_both_sides_train_the_same_draft_alike(spec):
     for side in (ours, theirs):
         config = json.loads(open(f"{side['draft']}/config.json").read())
         assert config["speculators_model_type"] == "peagle"
-
-
-def test_median_step_from_the_wall_clock_at_each_step_end():
-    rng = random.Random(3)
-    for _ in range(20):
-        steps = [rng.uniform(0.01, 2.0) for _ in range(rng.randint(1, 30))]
-        walls = [sum(steps[: i + 1]) for i in range(len(steps))]
-        ordered = sorted(steps)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-        assert side_by_side.median_step_s(walls) == pytest.approx(median, abs=1e-12)
 
 
 def test_a_seed_replicates_the_comparison_on_both_sides(spec, tmp_path):
