@@ -35,6 +35,7 @@ runtime in one ``speculators-peagle eval`` run on the held-out prompts. The figu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -52,8 +53,6 @@ SPECULATORS_DRAFT = ("draft_init", "num_key_value_heads")
 
 
 def _train_config(spec: dict, side: str):
-    import dataclasses
-
     from speculators_peagle_plugin.training.config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.

@@ -103,12 +103,10 @@ def test_theirs_draft_speculators_is_the_draft_speculators_train_builds(spec, tm
     config = tmp_path / "recipe.yaml"
     recipe_keys = "draft_init: verifier\nnum_key_value_heads: 4\n"
     config.write_text(open(spec["config"]).read() + recipe_keys)
-    runs = {}
-    for name, theirs_draft in (("same", "ours"), ("defaults", "speculators")):
-        each = dict(spec, config=str(config), out=str(tmp_path / name), steps=1,
-                    theirs_draft=theirs_draft)  # fmt: skip
-        runs[name] = (side_by_side.train_ours(each), side_by_side.train_theirs(each))
-    (ours, same), (_, theirs) = runs["same"], runs["defaults"]
+    each = dict(spec, config=str(config), out=str(tmp_path / "same"), steps=1)
+    ours, same = side_by_side.train_ours(each), side_by_side.train_theirs(each)
+    builtin = dict(each, out=str(tmp_path / "builtin"), theirs_draft="speculators")
+    theirs = side_by_side.train_theirs(builtin)
     torch.testing.assert_close(torch.tensor(same["losses"]), torch.tensor(ours["losses"]),
                                rtol=1e-4, atol=1e-7)  # fmt: skip
     assert abs(theirs["losses"][0] - ours["losses"][0]) > 1e-3  # another initial draft
@@ -119,10 +117,8 @@ def test_theirs_draft_speculators_is_the_draft_speculators_train_builds(spec, tm
 
     assert kv_heads(ours) == kv_heads(same) == 4 and kv_heads(theirs) == 2  # tiny target: 2
     # theirs' config: speculators' construction (the TrainConfig defaults) in every key
-    recipe = side_by_side._train_config(dict(spec, config=str(config), out=str(tmp_path)), "ours")
-    defaults = side_by_side._train_config(
-        dict(spec, config=str(config), out=str(tmp_path), theirs_draft="speculators"), "theirs"
-    )
+    recipe = side_by_side._train_config(each, "ours")
+    defaults = side_by_side._train_config(builtin, "theirs")
     assert all(getattr(recipe, k) != getattr(defaults, k) for k in side_by_side.SPECULATORS_DRAFT)
     assert (defaults.draft_init, defaults.num_key_value_heads) == ("random", None)
 
