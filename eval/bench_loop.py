@@ -5,8 +5,10 @@ Both sides run in fresh subprocesses, alternating, on the same config, data and 
 - ``bare``: ``build_training`` once, the row batches loaded into memory beforehand, then
   per step only ``zero_grad -> forward/backward per segment -> clip -> AdamW -> schedule``.
 - ``loop``: ``speculators_peagle_plugin.training.loop.train`` (the CLI's loop): reading and
-  packing the hidden-state files every step, the DDP-safe step module, metrics reduction,
-  progress bar, JSONL log; checkpoints are written only at the end (outside the timed steps).
+  packing the hidden-state files every step (the next step's row on a thread while this
+  step trains), the DDP-safe step module, metrics reduction, progress bar, JSONL log;
+  checkpoints are written only at the end (outside the timed steps).
+- ``in-line``: the same loop reading each row when its step starts, on the loop's thread.
 
 The figure is the median step wall time after ``--warmup`` steps; the ratio loop/bare is
 the overhead.
@@ -24,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+SIDES = ("bare", "loop", "in-line")
 
 
 def _config(args, save_path: str):
@@ -81,10 +85,15 @@ def run_bare(args) -> list[float]:
     return times[args.warmup :]
 
 
-def run_loop(args) -> list[float]:
+def run_loop(args, ahead: bool = True) -> list[float]:
+    from functools import partial
+
+    from speculators_peagle_plugin.training import loop
     from speculators_peagle_plugin.training.loop import train
     from speculators_peagle_plugin.training.progress import METRICS_FILE
 
+    if not ahead:
+        loop.RowsAhead = partial(loop.RowsAhead, ahead=False)
     with tempfile.TemporaryDirectory() as save:
         train(_config(args, save), progress=True)
         walls = [
@@ -103,23 +112,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per side")
-    parser.add_argument("--side", choices=("bare", "loop"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        times = run_bare(args) if args.side == "bare" else run_loop(args)
+        times = run_bare(args) if args.side == "bare" else run_loop(args, args.side == "loop")
         print(json.dumps({"times": times}))
         return
-    results: dict[str, list[float]] = {"bare": [], "loop": []}
+    results: dict[str, list[float]] = {side: [] for side in SIDES}
     for _ in range(args.repeats):
-        for side in ("bare", "loop"):
+        for side in SIDES:
             out = subprocess.run(
                 [sys.executable, "-m", "eval.bench_loop", *sys.argv[1:], "--side", side],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             results[side] += json.loads(out.stdout.strip().splitlines()[-1])["times"]
-    bare, loop = (statistics.median(results[s]) for s in ("bare", "loop"))
-    print(f"median step: bare {bare:.3f} s, loop {loop:.3f} s, overhead {loop / bare - 1:+.1%}")
-    print(json.dumps({"bare_s": bare, "loop_s": loop, "overhead": loop / bare - 1}))
+    bare, loop, in_line = (statistics.median(results[s]) for s in SIDES)
+    print(
+        f"median step: bare {bare:.3f} s, loop {loop:.3f} s (overhead {loop / bare - 1:+.1%}), "
+        f"rows read in line {in_line:.3f} s ({in_line / bare - 1:+.1%})"
+    )
+    print(json.dumps({
+        "bare_s": bare, "loop_s": loop, "in_line_s": in_line, "overhead": loop / bare - 1,
+        "in_line_overhead": in_line / bare - 1,
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the files.
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from speculators.train.vocab_mapping import (
 from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.data import DataError, PackedBatches, open_training_data, pack_rows
+from speculators_peagle_plugin.training.prefetch import RowsAhead
 
 # ---------------------------------------------------------------------------------------------
 # Reading: synthetic speculators-format data
@@ -165,6 +167,55 @@ def test_last_step_pads_ranks_without_a_row(syn_data):
         PackedBatches(data, 50, seed=0, rank=4, world_size=4)
     with pytest.raises(ValueError, match="total_seq_len must be an integer >= 1"):
         PackedBatches(data, 0, seed=0)
+
+
+class _Spy:
+    """PackedBatches with a record of each read (step, thread) and an optional failing step."""
+
+    def __init__(self, batches, fail_at=None):
+        self.batches, self.fail_at, self.reads = batches, fail_at, []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def batch(self, epoch, index):
+        step = epoch * len(self) + index
+        self.reads.append((step, threading.current_thread().name))
+        if step == self.fail_at:
+            raise DataError(f"step {step} cannot be read")
+        return self.batches.batch(epoch, index)
+
+
+@pytest.mark.parametrize(("seed", "start"), [(0, 0), (1, 3), (2, 7)])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_rows_ahead_gives_each_step_its_row_read_while_the_step_before_trains(
+    syn_data, seed, start, ahead
+):
+    data = open_training_data(syn_data)
+    pb = PackedBatches(data, 50, seed=seed)
+    dataset = load_from_disk(str(syn_data))
+    stop = 2 * len(pb) + len(pb) // 2  # across two epoch boundaries
+    spy = _Spy(pb)
+    with RowsAhead(spy, stop, ahead=ahead) as rows:
+        for step in range(start, stop):
+            row, waited = rows.get(step)
+            samples = pb.step_samples(*divmod(step, len(pb)))
+            assert_batch_equal(row, expected_row(syn_data, dataset, samples, 50))
+            assert waited >= 0
+    assert [s for s, _ in spy.reads] == list(range(start, stop))  # once each, none past stop
+    threads = {name.startswith("rows-ahead") for _, name in spy.reads[1:]}
+    assert threads == {ahead} and not spy.reads[0][1].startswith("rows-ahead")
+    # a step out of order is read in line; the row read ahead is dropped
+    with RowsAhead(pb, stop) as rows:
+        rows.get(0)
+        assert_batch_equal(rows.get(4)[0], pb.batch(*divmod(4, len(pb))))
+    # a row that cannot be read fails the step that needs it, not an earlier one
+    failing = _Spy(pb, fail_at=start + 2)
+    with RowsAhead(failing, stop, ahead=ahead) as rows:
+        rows.get(start)
+        rows.get(start + 1)
+        with pytest.raises(DataError, match=f"step {start + 2} cannot be read"):
+            rows.get(start + 2)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

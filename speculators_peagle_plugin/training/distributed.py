@@ -82,24 +82,30 @@ def process_group_of_run(clean_exits: tuple[type[BaseException], ...] = ()):
 class StepModule(nn.Module):
     """What DDP/FSDP wraps: one forward of the trainer module on a row or segment.
 
-    The loss also carries ``0 * p[0]`` for every trainable parameter. That adds exact
-    zeros to the gradients, but keeps every parameter in every graph — a segment with no
-    ``lm_head`` rows, or a rank with no segment at all (``segment=EMPTY``), still runs the
-    same gradient collectives as the other ranks, so nothing hangs.
+    With ``every_parameter`` (several ranks) the loss also carries ``0 * p[0]`` for every
+    trainable parameter. That adds exact zeros to the gradients, but keeps every parameter
+    in every graph — a segment with no ``lm_head`` rows, or a rank with no segment at all
+    (``segment=EMPTY``), still runs the same gradient collectives as the other ranks, so
+    nothing hangs. One process has no collectives to keep in step, and those zeros cost a
+    full-size gradient add per parameter: it leaves them out.
     """
 
     EMPTY = "empty"
 
-    def __init__(self, trainer_module: nn.Module):
+    def __init__(self, trainer_module: nn.Module, every_parameter: bool = True):
         super().__init__()
         self.trainer_module = trainer_module
+        self.every_parameter = every_parameter
+
+    def _touch(self) -> torch.Tensor:
+        return sum(p.view(-1)[0] * 0 for p in self.parameters() if p.requires_grad)
 
     def forward(self, batch: dict, segment=None) -> dict:
-        touch = sum(p.view(-1)[0] * 0 for p in self.parameters() if p.requires_grad)
         if segment == self.EMPTY:
-            return {"loss": touch, "metrics": None}
+            return {"loss": self._touch(), "metrics": None}
         metrics = self.trainer_module.forward_batch(batch, peagle_segment=segment)
-        return {"loss": metrics.loss + touch, "metrics": metrics}
+        loss = metrics.loss + self._touch() if self.every_parameter else metrics.loss
+        return {"loss": loss, "metrics": metrics}
 
 
 def wrap(step_module: StepModule, config: TrainConfig, world: World) -> nn.Module:

@@ -35,6 +35,7 @@ from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpo
 from .config import TrainConfig
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
+from .prefetch import RowsAhead
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -212,7 +213,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         draft.gradient_checkpointing_enable({"use_reentrant": False})
     draft.train()
     module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
-    wrapped = wrap(StepModule(module), config, world)
+    wrapped = wrap(StepModule(module, every_parameter=world.distributed), config, world)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     # fused: one kernel over every parameter; torch's default on CPU is a loop per tensor.
     optimizer = torch.optim.AdamW(
@@ -289,11 +290,14 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     )  # fmt: skip
     online = setup.batches.data.online
     run_began = time.perf_counter()
-    with StopFlag() as stop:
+    # Reading a row ahead hides it behind the step; an online row runs the target instead.
+    rows = RowsAhead(setup.batches, setup.total_steps, ahead=online is None)
+    with StopFlag() as stop, rows:
         for step in range(start, setup.total_steps):
             began = time.perf_counter()
-            epoch, index = divmod(step, steps_per_epoch)
-            batch = to_device(setup.batches.batch(epoch, index), world.device, dtype)
+            epoch = step // steps_per_epoch
+            row, waited = rows.get(step)
+            batch = to_device(row, world.device, dtype)
             setup.optimizer.zero_grad(set_to_none=True)
             stats = train_step(setup.wrapped, module, batch, config, world, step)
             grad_norm = gradient_norm(trainable, config.max_grad_norm)
@@ -306,7 +310,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             record.update(
                 step=step + 1, epoch=epoch, lr=setup.scheduler.get_last_lr()[0],
                 grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
-                wall_s=now - run_began,
+                data_share=waited / (now - began), wall_s=now - run_began,
             )  # fmt: skip
             if online is not None:  # this rank's share of the step spent in the target
                 record["target_share"] = online.take_seconds() / (now - began)

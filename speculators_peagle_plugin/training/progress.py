@@ -110,6 +110,8 @@ def format_postfix(record: dict) -> dict:
     }
     if "target_share" in record:  # online training: the target's part of the step time
         postfix["target"] = f"{record['target_share']:.0%}"
+    else:  # the part of the step spent waiting for its row to be read
+        postfix["data"] = f"{record['data_share']:.0%}"
     return postfix
 
 
