@@ -52,6 +52,7 @@ def test_train_writes_a_checkpoint_speculators_and_vllm_accept(workdir, tmp_path
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:
         assert len(r["accuracy_per_depth"]) == 3 and r["tokens"] > 0 and r["loss"] > 0
+        assert 0 <= r["data_share"] < 1  # the part of the step waiting for its row
         acc = r["accuracy_per_depth"]  # the estimate: 1 + sum over d of prod(acc[:d + 1])
         want = 1 + sum(math.prod(acc[: d + 1]) for d in range(3))
         assert r["acceptance_length"] == pytest.approx(want, rel=1e-6)
