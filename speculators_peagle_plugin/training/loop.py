@@ -291,8 +291,10 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     online = setup.batches.data.online
     run_began = time.perf_counter()
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
-    rows = RowsAhead(setup.batches, setup.total_steps, ahead=online is None)
-    with StopFlag() as stop, rows:
+    with (
+        StopFlag() as stop,
+        RowsAhead(setup.batches, setup.total_steps, ahead=online is None) as rows,
+    ):
         for step in range(start, setup.total_steps):
             began = time.perf_counter()
             epoch = step // steps_per_epoch
