@@ -130,7 +130,8 @@ def test_a_diverging_run_stops_before_saving_the_non_finite_state(workdir, tmp_p
 def test_layer_ids_other_than_the_datas_are_refused(workdir, tmp_path):
     save = tmp_path / "save"
     line = refusal(*run_cli(train_args(workdir, save, "--target-layer-ids", "0,1,2")))
-    assert "--target-layer-ids [0, 1, 2] differ from the layers [1, 2, 3]" in line
+    assert "Aux layer ids [0, 1, 2] name layer(s) [0] whose states the data" in line
+    assert "it holds those of layers [1, 2, 3] and of layer 4 (after the last layer)" in line
     assert not save.exists()
 
 

@@ -9,6 +9,7 @@ the files.
 import json
 import math
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from speculators.train.vocab_mapping import (
 from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.data import DataError, PackedBatches, open_training_data, pack_rows
+from speculators_peagle_plugin.data.config import SETTINGS_FILE
 from speculators_peagle_plugin.training.prefetch import RowsAhead
 
 # ---------------------------------------------------------------------------------------------
@@ -63,11 +65,11 @@ def hs_path(path, i):
     return Path(path) / "hidden_states" / f"hs_{i}.safetensors"
 
 
-def expected_row(path, dataset, samples, seq_len):
+def expected_row(path, dataset, samples, seq_len, slots=tuple(range(AUX_SYN))):
     """A packed row rebuilt by hand from the files (the oracle for PackedBatches).
 
     Each sample is shifted first (speculators' ``shift_batch``): slot t holds token t+1,
-    aux states at t, the last state at t+1 and position t+1.
+    aux states at t (the stored ``slots``), the last state at t+1 and position t+1.
     """
     ids, aux, last, mask, pos, docs, lengths = [], [], [], [], [], [], []
     for doc, i in enumerate(samples):
@@ -75,7 +77,7 @@ def expected_row(path, dataset, samples, seq_len):
         hidden = load_file(hs_path(path, i))["hidden_states"].float()
         ids += dataset[i]["input_ids"][1 : n + 1].tolist()
         mask += dataset[i]["loss_mask"][1 : n + 1].tolist()
-        aux.append(hidden[:n, :-1].flatten(1))
+        aux.append(hidden[:n, list(slots)].flatten(1))
         last.append(hidden[1 : n + 1, -1])
         pos += list(range(1, n + 1))
         docs += [doc] * n
@@ -86,7 +88,7 @@ def expected_row(path, dataset, samples, seq_len):
         "loss_mask": torch.tensor(mask + [0] * pad)[None],
         "position_ids": torch.tensor(pos + [0] * pad)[None],
         "document_ids": torch.tensor(docs + [-1] * pad)[None],
-        "hidden_states": torch.cat([*aux, torch.zeros(pad, AUX_SYN * H_SYN)])[None],
+        "hidden_states": torch.cat([*aux, torch.zeros(pad, len(slots) * H_SYN)])[None],
         "verifier_last_hidden_states": torch.cat([*last, torch.zeros(pad, H_SYN)])[None],
         "lengths": torch.tensor(lengths, dtype=torch.long),
     }
@@ -149,6 +151,53 @@ def test_packing_invariants(syn_data, syn_lengths, seed, world_size):
     assert other.rows(0) != orders[0]
     fixed = PackedBatches(data, seq_len, seed=seed, world_size=world_size, shuffle=False)
     assert fixed.rows(0) == fixed.rows(5)
+
+
+_LAYERS_135_OF_7 = {"target_layer_ids": [1, 3, 5], "target_num_layers": 7}
+
+
+@pytest.mark.parametrize(
+    ("layer_ids", "slots"),
+    [(None, (0, 1, 2)), ((1, 3, 5, 7), (0, 1, 2, 3)), ((3, 7), (1, 3)), ((1, 5), (0, 2))],
+)
+def test_aux_layers_are_chosen_among_the_recorded_ones_and_the_last_state(
+    tmp_path, syn_lengths, layer_ids, slots
+):
+    """Data of layers (1, 3, 5) on a 7-layer target: a draft may read any of them and layer
+    7, the state after the last layer, which every sample stores as its last slot."""
+    path = write_data(tmp_path / "data", syn_lengths[:9], seed=len(slots))
+    (path / SETTINGS_FILE).write_text(json.dumps(_LAYERS_135_OF_7))
+    data = open_training_data(path, aux_layer_ids=layer_ids)
+    assert data.num_aux_layers == len(slots)
+    assert data.target_layer_ids == (layer_ids or (1, 3, 5))
+    dataset = load_from_disk(str(path))
+    batches = PackedBatches(data, 40, seed=1)
+    for step in range(len(batches)):
+        want = expected_row(path, dataset, batches.step_samples(0, step), 40, slots)
+        assert_batch_equal(batches.batch(0, step), want)
+
+
+@pytest.mark.parametrize(
+    ("settings", "layer_ids", "sentence"),
+    [
+        (_LAYERS_135_OF_7, (0, 3), "name layer(s) [0] whose states the data at {path} does not "
+         "hold: it holds those of layers [1, 3, 5] and of layer 7 (after the last layer)."),
+        (_LAYERS_135_OF_7, (3, 8), "name layer(s) [8] whose states"),
+        ({"target_layer_ids": [1, 3, 5]}, (1, 3, 5, 7), "it holds those of layers [1, 3, 5]."),
+        (_LAYERS_135_OF_7, (5, 3), "Aux layer ids [5, 3] must be distinct and ascending"),
+        (_LAYERS_135_OF_7, (3, 3), "Aux layer ids [3, 3] must be distinct and ascending"),
+        (None, (1, 3, 5, 7), "holds 3 aux hidden states per token without recording their "
+         "layers, but 4"),
+    ],
+)  # fmt: skip
+def test_aux_layers_the_data_does_not_hold_are_one_sentence(
+    tmp_path, syn_lengths, settings, layer_ids, sentence
+):
+    path = write_data(tmp_path / "data", syn_lengths[:3])
+    if settings is not None:
+        (path / SETTINGS_FILE).write_text(json.dumps(settings))
+    with pytest.raises(DataError, match=re.escape(sentence.format(path=path))):
+        open_training_data(path, aux_layer_ids=layer_ids)
 
 
 def test_last_step_pads_ranks_without_a_row(syn_data):

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from tiny_vllm import (
     LAYER_IDS,
+    LAYERS,
     constant_draft,
     constant_target,
     tiny_vllm_target,
@@ -95,10 +96,18 @@ def trained(tmp_path_factory):
     return trained_target_and_draft(tmp_path_factory.getbasetemp() / f"trained-k{K}", K)
 
 
+@pytest.fixture(scope="module")
+def trained_on_the_last_state(tmp_path_factory):
+    """The same, reading aux id LAYERS: the state after the target's last layer."""
+    root = tmp_path_factory.getbasetemp() / f"trained-last-k{K}"
+    return trained_target_and_draft(root, K, layer_ids=(1, 2, LAYERS))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [2, K])
-def test_trained_draft_vllm_and_reference_runtime_agree(worker, trained, k):
-    target, draft, prompts = trained
+@pytest.mark.parametrize(("k", "drafted"), [(2, "trained"), (K, "trained"),
+                                            (K, "trained_on_the_last_state")])  # fmt: skip
+def test_trained_draft_vllm_and_reference_runtime_agree(worker, request, k, drafted):
+    target, draft, prompts = request.getfixturevalue(drafted)
     stop = stop_token_ids(target, AutoTokenizer.from_pretrained(target))
     served = worker.run(job(target, draft, prompts, k=k, max_tokens=48))
     ref = ReferenceRuntime(target, draft, k).run(prompts, 48, stop)

@@ -54,13 +54,17 @@ def one_step(setup, epoch=0, index=0):
 
 
 @pytest.mark.parametrize(
-    ("seed", "seq_len", "partitions"), [(0, 96, 1), (1, 160, 2), (2, 64, 3)]
+    ("seed", "seq_len", "partitions", "layer_ids"),
+    [(0, 96, 1, (1, 2, 3)), (1, 160, 2, (1, 2, 3)), (2, 64, 3, (1, 2, 3)), (3, 96, 1, (2, 4))],
 )
 def test_an_online_step_equals_the_offline_step_on_the_same_rows(
-    workdir, tmp_path, seed, seq_len, partitions
+    workdir, tmp_path, seed, seq_len, partitions, layer_ids
 ):
-    """Loss and every gradient agree: the states are the offline capture's, per document."""
-    kw = {"seed": seed, "total_seq_len": seq_len, "sequence_partitions": partitions}
+    """Loss and every gradient agree: the states are the offline capture's, per document.
+    Aux id 4 of the 4-layer target is the state after the last layer, before the final
+    norm: offline reads it from each sample's last slot, online captures it."""
+    kw = {"seed": seed, "total_seq_len": seq_len, "sequence_partitions": partitions,
+          "target_layer_ids": layer_ids}  # fmt: skip
     offline = build_training(config_for(workdir, tmp_path / "off", **kw))
     online = build_training(online_config(workdir, tmp_path / "on", **kw))
     assert online.batches.data.online is not None and offline.batches.data.online is None

@@ -217,6 +217,39 @@ def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_de
             assert torch.equal(mine, value), name
 
 
+def test_the_state_after_the_last_layer_is_an_aux_layer_a_draft_can_read(workdir, tmp_path):
+    """Data of layers (1, 2, 3) of the 4-layer target read as (1, 2, 3, 4): layer 4 is the
+    state after the last layer (each sample's last slot), which vLLM captures as aux id 4."""
+    from speculators_peagle_plugin.serving.check import check_checkpoint
+    from speculators_peagle_plugin.training.heldout import heldout_metrics
+
+    config = config_for(workdir, tmp_path / "run", target_layer_ids=(1, 2, 3, 4),
+                        draft_init="verifier", max_steps=2)  # fmt: skip
+    setup = build_training(config)
+    fc = setup.draft.fc.weight  # [H, 4H]: id 3 passes (verifier layer 3 reads it), id 4 at zero
+    assert fc.shape == (64, 256) and torch.equal(fc[:, 128:192], torch.eye(64))
+    assert not fc[:, :128].any() and not fc[:, 192:].any()
+    batch = setup.batches.batch(0, 0)
+    # slot t holds the aux states at t and the last state at t + 1 (speculators' shift)
+    aux4, docs = batch["hidden_states"][0, :, 192:], batch["document_ids"][0]
+    last = batch["verifier_last_hidden_states"][0]
+    same = (docs[1:] == docs[:-1]) & (docs[1:] >= 0)
+    assert same.sum() > 20 and torch.equal(aux4[1:][same], last[:-1][same])
+    code, out = run_cli(train_args(workdir, tmp_path / "cli", "--max-steps", "2",
+                                   "--target-layer-ids", "1,2,3,4"))  # fmt: skip
+    assert code == 0, out
+    final = checkpoint_dirs(tmp_path / "cli")[-1]
+    saved = json.loads((final / "config.json").read_text())
+    assert saved["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
+    # vLLM's llama draft sizes fc for 3 aux layers unless the layer config says 4
+    assert saved["transformer_layer_config"]["num_aux_hidden_states"] == 4
+    findings = check_checkpoint(final, workdir / "target", num_speculative_tokens=3,
+                                device="any", scan_values=False)  # fmt: skip
+    assert not [f for f in findings if f.code.startswith(("layer", "aux"))], findings
+    held = heldout_metrics(final, config, workdir / "data", seed=5)
+    assert held["supervised"][0] > 0 and 0 < held["accuracy_per_depth"][0] <= 1
+
+
 def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
     line = refused(workdir, tmp_path / "a", workdir / "data", "--draft-init", "verifier",
                    "--num-layers", "2")  # fmt: skip

@@ -169,11 +169,12 @@ def constant_draft(target_dir, token: int, num_depths=3, seed=0) -> PEagleDraftM
 
 
 @torch.no_grad()
-def target_batch(target_dir, sequences: list[list[int]]) -> dict:
+def target_batch(target_dir, sequences: list[list[int]], layer_ids=LAYER_IDS) -> dict:
     """speculators' packed, shifted batch for ``sequences`` (one document each).
 
     Slot ``t`` carries ``(token_{t+1}, aux_t)`` and its target is the target's last
-    pre-norm state at ``t+1`` (speculators' ``shift_batch``).
+    pre-norm state at ``t+1`` (speculators' ``shift_batch``). Aux id ``LAYERS`` is that
+    pre-norm state (transformers' ``hidden_states[LAYERS]`` is after the norm).
     """
     model = LlamaForCausalLM.from_pretrained(target_dir).eval()
     captured = {}
@@ -182,7 +183,8 @@ def target_batch(target_dir, sequences: list[list[int]]) -> dict:
     for d, seq in enumerate(sequences):
         x = torch.tensor(seq)[None]
         out = model(input_ids=x, output_hidden_states=True)
-        states = torch.cat([out.hidden_states[i] for i in LAYER_IDS], -1)[0]
+        layers = [captured["last"] if i == LAYERS else out.hidden_states[i] for i in layer_ids]
+        states = torch.cat(layers, -1)[0]
         ids.append(x[0, 1:])
         aux.append(states[:-1])
         last.append(captured["last"][0, 1:])
@@ -221,9 +223,12 @@ def train_draft(
     return history
 
 
-def trained_target_and_draft(root: Path, num_depths: int = 3) -> tuple[str, Path, list]:
-    """A random target and a P-EAGLE draft trained a few steps on the target's own greedy
-    replies to six chat prompts: ``(target dir, draft dir, rendered prompts)``.
+def trained_target_and_draft(
+    root: Path, num_depths: int = 3, layer_ids=LAYER_IDS
+) -> tuple[str, Path, list]:
+    """A random target and a P-EAGLE draft reading aux ``layer_ids``, trained a few steps on
+    the target's own greedy replies to six chat prompts: ``(target dir, draft dir, rendered
+    prompts)``.
 
     Built once per ``root`` (tests pass a session-wide directory) and reused after.
     """
@@ -241,8 +246,10 @@ def trained_target_and_draft(root: Path, num_depths: int = 3) -> tuple[str, Path
             for p in PROMPTS[:6]
         ]
         replies = ReferenceRuntime(target).run(prompts, 48)["outputs"]
-        batch = target_batch(target, [p + r for p, r in zip(prompts, replies, strict=True)])
-        draft = tiny_vllm_draft(target, num_depths, seed=1)
+        batch = target_batch(
+            target, [p + r for p, r in zip(prompts, replies, strict=True)], layer_ids
+        )
+        draft = tiny_vllm_draft(target, num_depths, seed=1, layer_ids=layer_ids)
         history = train_draft(draft, batch, num_depths, steps=60)
         assert float(history[-1].loss) < 0.2 * float(history[0].loss), "training did not learn"
         draft.save_pretrained(root / "draft")

@@ -48,7 +48,8 @@ def _settings(config: DataGenConfig, model_config) -> dict:
     if bad or not layer_ids:
         raise ValueError(
             f"--target-layer-ids must be integers in [0, {num_layers}) for this "
-            f"{num_layers}-layer target, got {list(layer_ids)}."
+            f"{num_layers}-layer target, got {list(layer_ids)} (every sample also stores the "
+            f"state after the last layer, which train reads as layer {num_layers})."
         )
     if config.draft_vocab_size > text_config.vocab_size:
         raise ValueError(

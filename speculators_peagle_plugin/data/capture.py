@@ -32,7 +32,8 @@ def capture_hidden_states(
     Args:
         model: a transformers causal LM (its decoder must have a final ``norm``).
         input_ids: ``[seq]`` token ids.
-        layer_ids: aux layer ids; ``L`` = residual stream after ``L`` decoder layers.
+        layer_ids: aux layer ids; ``L`` = residual stream after ``L`` decoder layers (``N``,
+            the layer count, = the state after the last layer, before the final norm).
         cache: None, or a transformers ``DynamicCache`` holding a prefix: ``input_ids`` then
             continues it, the cache grows by them, and only their states are returned.
 
@@ -47,8 +48,10 @@ def capture_hidden_states(
             input_ids=input_ids[None], output_hidden_states=True,
             past_key_values=cache, use_cache=cache is not None,
         )  # fmt: skip
-    states = [out.hidden_states[layer][0] for layer in layer_ids] + [pre_norm.value[0]]
-    return torch.stack(states, dim=1)
+    # transformers' hidden_states[N] is after the final norm; aux id N is before it, as in vLLM
+    last, final = len(out.hidden_states) - 1, pre_norm.value[0]
+    states = [final if layer == last else out.hidden_states[layer][0] for layer in layer_ids]
+    return torch.stack([*states, final], dim=1)
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

@@ -20,6 +20,8 @@ from ..core.config import check_int_at_least
 from .config import HIDDEN_STATES_DIR, SETTINGS_FILE, TOKEN_FREQ_FILE, hs_path
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .online import OnlineHiddenStates
 
 
@@ -70,6 +72,7 @@ def _checked_arrow_dataset_class():
         """
 
         shape_tail: tuple[int, int]
+        aux_slots: list[int]  # the stored slots a sample's "hidden_states" concatenates
 
         def _get_raw_data(self, index: int) -> dict:
             file_idx = self._map_to_file_idx(index)
@@ -92,7 +95,7 @@ def _checked_arrow_dataset_class():
                 raise DataError(f"{what} {problem}.")
             hidden = loaded["hidden_states"]
             return {
-                "hidden_states": hidden[:, :-1].flatten(1),  # [seq, n_aux * H]
+                "hidden_states": hidden[:, self.aux_slots].flatten(1),  # [seq, n_aux * H]
                 "input_ids": row["input_ids"],  # [seq]
                 "verifier_last_hidden_states": hidden[:, -1],  # [seq, H]
                 "loss_mask": row["loss_mask"],  # [seq]
@@ -110,13 +113,16 @@ class TrainingData:
         dataset: speculators' ``ArrowDataset`` (a checked subclass); ``dataset[i]`` is the
             sample dict speculators' ``CollateFn`` packs; a bad file raises :class:`DataError`.
         hidden_size: target hidden size ``H``.
-        num_aux_layers: aux layers per token (the files hold ``n_aux + 1`` slots).
+        num_aux_layers: aux layers per token a sample gives (the files hold their own
+            ``n_aux + 1`` slots; see ``aux_layer_ids``).
         num_samples: dataset rows.
         num_loss_tokens: supervised tokens over all rows.
         lengths: ``seq_len`` of each row.
         settings: generate-data's settings, or None for data made by speculators itself.
         online: where the hidden states come from when the target computes them during
             training (None: the files in ``hidden_states/``).
+        aux_layer_ids: the aux layers a sample gives when chosen at opening (None: the
+            stored ones).
     """
 
     path: Path
@@ -128,6 +134,7 @@ class TrainingData:
     lengths: list[int]
     settings: dict | None
     online: OnlineHiddenStates | None = None
+    aux_layer_ids: tuple[int, ...] | None = None
 
     @property
     def hidden_states_dir(self) -> Path:
@@ -135,7 +142,10 @@ class TrainingData:
 
     @property
     def target_layer_ids(self) -> tuple[int, ...] | None:
-        """The aux layer ids the data was generated with (None if unrecorded)."""
+        """The aux layer ids a sample gives: those chosen at opening, else those the data
+        was generated with (None if unrecorded)."""
+        if self.aux_layer_ids is not None:
+            return self.aux_layer_ids
         return None if self.settings is None else tuple(self.settings["target_layer_ids"])
 
     def validate(self, progress: bool = True) -> None:
@@ -324,12 +334,51 @@ def _hidden_states_layout(
     return hidden_size, n_aux
 
 
+def _aux_slots(
+    layer_ids: Sequence[int], settings: dict | None, n_aux: int, path: Path
+) -> list[int]:
+    """The stored slots (of ``[seq, n_aux + 1, H]``) that hold aux layers ``layer_ids``.
+
+    Slot ``k < n_aux`` holds the ``k``-th recorded layer id; the last slot holds the state
+    after the target's last layer, which is aux layer ``N`` (``N`` = its layer count: vLLM
+    captures ``N`` after the last layer). Example: data of layers (2, 15, 27) on a 30-layer
+    target read as (2, 15, 27, 30) -> slots [0, 1, 2, 3]; as (15, 30) -> [1, 3].
+    """
+    ids = [int(i) for i in layer_ids]
+    if ids != sorted(set(ids)):
+        raise DataError(
+            f"Aux layer ids {ids} must be distinct and ascending: vLLM concatenates the aux "
+            "states in layer order."
+        )
+    recorded = None if settings is None else settings["target_layer_ids"]
+    if recorded is None:
+        if len(ids) != n_aux:
+            raise DataError(
+                f"The data at {path} holds {n_aux} aux hidden states per token without "
+                f"recording their layers, but {len(ids)} layer ids are configured."
+            )
+        return list(range(n_aux))
+    held = {layer: slot for slot, layer in enumerate(recorded)}
+    last = settings.get("target_num_layers")
+    if last is not None:
+        held.setdefault(last, n_aux)
+    missing = [i for i in ids if i not in held]
+    if missing:
+        after = "" if last is None else f" and of layer {last} (after the last layer)"
+        raise DataError(
+            f"Aux layer ids {ids} name layer(s) {missing} whose states the data at {path} does "
+            f"not hold: it holds those of layers {list(recorded)}{after}."
+        )
+    return [held[i] for i in ids]
+
+
 def open_training_data(
     data_path: str | os.PathLike,
     *,
     draft_vocab_size: int | None = None,
     verifier_hidden_size: int | None = None,
     num_aux_layers: int | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
     online: OnlineHiddenStates | None = None,
 ) -> TrainingData:
     """Open a speculators data directory for training, checking what can be checked cheaply.
@@ -339,6 +388,11 @@ def open_training_data(
     columns, every row has its ``hs_<i>.safetensors``, the files' hidden size and aux-layer count
     match ``verifier_hidden_size`` / ``num_aux_layers``, and a ``draft_vocab_size`` mapping is
     available. Contents of each file are checked when it is loaded (or by ``validate()``).
+
+    ``aux_layer_ids`` chooses the aux layers each sample gives, in order: any the data
+    records, and the target's layer count ``N`` (the state after its last layer, stored as
+    every sample's last slot; see :func:`_aux_slots`). Data that records no layer ids gives
+    its stored ones, whose count must match.
 
     With ``online`` (:class:`~.online.OnlineHiddenStates`) the hidden states come from the
     target as each sample is read, and the directory needs only the token ids (its
@@ -375,16 +429,23 @@ def open_training_data(
         online.attach(dataset.data, [int(x) for x in lengths])
     dataset.shape_tail = (n_aux + 1, hidden_size)
     settings_path = path / SETTINGS_FILE
+    settings = read_json(settings_path) if settings_path.exists() else None
+    chosen = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
+    if chosen is None:
+        dataset.aux_slots = list(range(n_aux))
+    else:
+        dataset.aux_slots = _aux_slots(chosen, settings if online is None else None, n_aux, path)
     data = TrainingData(
         path=path,
         dataset=dataset,
         hidden_size=hidden_size,
-        num_aux_layers=n_aux,
+        num_aux_layers=len(dataset.aux_slots),
         num_samples=num_rows,
         num_loss_tokens=num_loss_tokens,
         lengths=[int(x) for x in lengths],
-        settings=read_json(settings_path) if settings_path.exists() else None,
+        settings=settings,
         online=online,
+        aux_layer_ids=chosen,
     )
     if draft_vocab_size is not None:
         data.check_vocab_mapping(draft_vocab_size)

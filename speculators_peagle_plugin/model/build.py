@@ -82,6 +82,9 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
         draft_attn_impl="sdpa",
     )
     draft.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
+    # vLLM's llama P-EAGLE draft sizes fc for 3 aux layers unless its layer config says
+    # how many (speculators' builder does not record it)
+    draft.config.transformer_layer_config.num_aux_hidden_states = len(target_layer_ids)
     served = config.num_speculative_tokens
     if served is not None and served != config.num_depths:
         # vLLM reads only the served K; the depths trained stay beside it for `check`.
@@ -117,18 +120,22 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
     at depths 0 and 1 (eval/RESULTS.md records the comparison).
 
     Example: SmolLM2 (30 layers), aux ids (2, 15, 27), 1 draft layer -> ``fc`` selects
-    the aux-27 slice, draft layer 0 = verifier layer 27.
+    the aux-27 slice, draft layer 0 = verifier layer 27; with aux ids (2, 15, 27, 30) the
+    same, and the aux-30 columns of ``fc`` start at zero.
 
     Raises ``ValueError`` (one sentence) when the verifier lacks those layers or its
     shapes cannot be copied.
     """
     from speculators.utils.loading import list_checkpoint_keys, load_model_layers
 
-    deepest = max(target_layer_ids)
+    keys = list_checkpoint_keys(verifier_path)
+    # Aux id N (the state after the last layer) has no verifier layer after it: its fc
+    # columns start at zero and the pass-through goes to the deepest id below it.
+    with_layer = [i for i in target_layer_ids if any(f"layers.{i}." in k for k in keys)]
+    deepest = max(with_layer or target_layer_ids)
     position = list(target_layer_ids).index(deepest)
     layers = list(draft.layers)
     names = [f"layers.{deepest + i}." for i in range(len(layers))]
-    keys = list_checkpoint_keys(verifier_path)
     present = [n + s for n in names for s in (*_COPIED, *_OPTIONAL, *_QKV, "input_layernorm.weight")
                if any(k == n + s or k.endswith("." + n + s) for k in keys)]  # fmt: skip
     found = load_model_layers(present, str(verifier_path)) if present else {}

@@ -56,7 +56,7 @@ def heldout_metrics(
         data_path,
         draft_vocab_size=draft.lm_head.out_features,
         verifier_hidden_size=draft.config.target_hidden_size or draft.hidden_size,
-        num_aux_layers=len(draft.config.eagle_aux_hidden_state_layer_ids),
+        aux_layer_ids=draft.config.eagle_aux_hidden_state_layer_ids,
     )
     states_dtype = getattr(torch, config.hidden_states_dtype)
     batches = PackedBatches(

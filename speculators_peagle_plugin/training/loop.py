@@ -137,33 +137,27 @@ def _verifier_config(config: TrainConfig):
 
 
 def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, ...]:
-    """The flag's, else the data's, else the default; they must be the data's own layers.
+    """The flag's (which ``open_training_data`` checked against the data), else the data's,
+    else the default.
 
-    Data made by ``generate-data`` records its layer ids and the run must use those values;
-    other data (speculators' own) records only their count, which is all that is checked.
+    Data made by ``generate-data`` records its layer ids; other data (speculators' own)
+    records only their count, which is all that is checked.
     """
     from ..data import default_target_layer_ids
 
-    recorded = data.target_layer_ids
-    default = default_target_layer_ids(verifier_config.num_hidden_layers)
-    layer_ids = config.target_layer_ids or recorded or default
-    if recorded is not None and tuple(layer_ids) != tuple(recorded):
-        raise ValueError(
-            f"--target-layer-ids {list(layer_ids)} differ from the layers {list(recorded)} the "
-            f"data at {config.data_path} was made with; pass {','.join(map(str, recorded))} "
-            "or leave the flag out."
-        )
+    layer_ids = data.target_layer_ids or default_target_layer_ids(verifier_config.num_hidden_layers)
+    if data.settings is not None:
+        return layer_ids
     if len(layer_ids) != data.num_aux_layers:
         raise ValueError(
             f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
             f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
         )
-    if recorded is None:
-        logger.info(
-            "%s does not record which target layers its aux hidden states come from; "
-            "training as layers %s (only their count, %d, could be checked)",
-            config.data_path, list(layer_ids), data.num_aux_layers,
-        )  # fmt: skip
+    logger.info(
+        "%s does not record which target layers its aux hidden states come from; "
+        "training as layers %s (only their count, %d, could be checked)",
+        config.data_path, list(layer_ids), data.num_aux_layers,
+    )  # fmt: skip
     return layer_ids
 
 
@@ -198,7 +192,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             config.data_path,
             draft_vocab_size=config.draft_vocab_size,
             verifier_hidden_size=verifier_config.hidden_size,
-            num_aux_layers=len(config.target_layer_ids) if config.target_layer_ids else None,
+            aux_layer_ids=config.target_layer_ids,
         )
         layer_ids = _target_layer_ids(config, data, verifier_config)
     data.validate(progress=world.rank == 0)

@@ -37,14 +37,14 @@ def online_data_path(config: TrainConfig) -> Path:
 def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
     """The aux layers the target's states are taken from: the flag's, else those the token
     data records (``generate-data``'s settings, as offline training defaults to), else
-    vLLM's ``(2, N//2, N-3)``; each in ``[0, N)``."""
+    vLLM's ``(2, N//2, N-3)``; each in ``[0, N]`` (``N``: the state after the last layer)."""
     n = verifier_config.num_hidden_layers
     settings = online_data_path(config) / SETTINGS_FILE
     recorded = read_json(settings).get("target_layer_ids") if settings.is_file() else None
     layer_ids = tuple(config.target_layer_ids or recorded or default_target_layer_ids(n))
-    if not all(0 <= i < n for i in layer_ids):
+    if not all(0 <= i <= n for i in layer_ids):
         raise ValueError(
-            f"--target-layer-ids must be integers in [0, {n}) for this {n}-layer target, "
+            f"--target-layer-ids must be integers in [0, {n}] for this {n}-layer target, "
             f"got {list(layer_ids)}."
         )
     return layer_ids
