@@ -176,11 +176,12 @@ def test_block_sparse_attention_matches_dense_float64(
 @pytest.mark.parametrize("model_type,num_layers,seed", [
     ("llama", 1, 0), ("llama", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 3),
 ])  # fmt: skip
-def test_mask_slots_project_once_with_identical_output_and_gradients(
+def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
     monkeypatch, model_type, num_layers, seed
 ):
     """Depth >= 1 rows share one first-layer input: with ``mask_slots`` the first layer's
-    q/k/v see one row for all of them, and outputs and every gradient are unchanged."""
+    q/k/v see one row for all of them. With ``output_rows`` the last layer's MLP sees only
+    those rows. Outputs and every gradient are unchanged either way."""
     # transformers' RMSNorm computes in float32 even for float64 input, which would put
     # float32 rounding on the summed-vs-separate gradients; the fused norm is float64 here.
     monkeypatch.setattr(
@@ -196,32 +197,50 @@ def test_mask_slots_project_once_with_identical_output_and_gradients(
     ids = torch.where(depth == 0, torch.randint(0, MASK_TOKEN, (n,), generator=gen), MASK_TOKEN)
     aux = torch.randn(n0, draft.fc.in_features, generator=gen, dtype=torch.float64)
     weight = torch.randn(n, 64, generator=gen, dtype=torch.float64)
+    # some rows of every depth, some of each kind left out
+    picked = torch.randperm(n, generator=gen)[: n // 2].sort().values
     masks = draft.build_peagle_block_mask(anchor, depth, torch.bincount(doc[doc >= 0]), len(doc))
-    rows_seen = []
+    rows_seen = {"qkv": [], "mlp": []}
     draft.layers[0].self_attn.q_proj.register_forward_hook(
-        lambda mod, args, out: rows_seen.append(args[0].shape[1])
+        lambda mod, args, out: rows_seen["qkv"].append(args[0].shape[1])
     )
-    results = {}
-    for slots in (0, n - n0):
-        draft.zero_grad()
-        projected = torch.cat([
+    draft.layers[-1].mlp.register_forward_hook(
+        lambda mod, args, out: rows_seen["mlp"].append(args[0].shape[1])
+    )
+
+    def projected():
+        return torch.cat([
             draft.project_hidden_states(aux),
             draft.masked_projected_hidden().expand(n - n0, -1),
         ])  # fmt: skip
-        out = draft.forward_peagle(ids[None], projected[None], (anchor + depth)[None], masks,
-                                   mask_slots=slots)[0]  # fmt: skip
-        (out * weight).sum().backward()
+
+    def run(slots, rows=None, charged=None):
+        """Output and gradients of ``sum(out[charged] * weight[charged])``."""
+        draft.zero_grad()
+        out = draft.forward_peagle(ids[None], projected()[None], (anchor + depth)[None], masks,
+                                   mask_slots=slots, output_rows=rows)[0]  # fmt: skip
+        if rows is None and charged is not None:
+            out = out[charged]
+        (out * (weight if charged is None else weight[charged])).sum().backward()
         grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
-        results[slots] = out.detach(), grads
-    assert rows_seen == [n, n0 + 1]
-    (out0, grads0), (out1, grads1) = results.values()
-    torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12)
-    assert grads1.keys() == grads0.keys() and "mask_hidden" in grads0
-    for name, grad in grads0.items():
-        torch.testing.assert_close(grads1[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+        return out.detach(), grads
+
+    cases = {
+        "each row": run(0), "mask slots once": run(n - n0),
+        "all, then picked": run(n - n0, charged=picked),
+        "output_rows": run(n - n0, rows=picked, charged=picked),
+    }  # fmt: skip
+    assert rows_seen["qkv"] == [n, n0 + 1, n0 + 1, n0 + 1]
+    assert rows_seen["mlp"] == [n, n, n, picked.numel()]
+    for want, got in (("each row", "mask slots once"), ("all, then picked", "output_rows")):
+        (out0, grads0), (out1, grads1) = cases[want], cases[got]
+        torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12)
+        assert grads1.keys() == grads0.keys() and "mask_hidden" in grads0
+        for name, grad in grads0.items():
+            torch.testing.assert_close(grads1[name], grad, rtol=1e-10, atol=1e-12, msg=name)
     for bad in (-1, n + 1, True, 1.0):
         with pytest.raises(ValueError, match=r"mask_slots must be an integer in \[0, "):
-            draft.forward_peagle(ids[None], projected[None], (anchor + depth)[None], masks,
+            draft.forward_peagle(ids[None], projected()[None], (anchor + depth)[None], masks,
                                  mask_slots=bad)  # fmt: skip
 
 

@@ -69,6 +69,11 @@ def _expand_last_row(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x[:, :-1], x[:, -1:].expand(-1, rows - x.shape[1] + 1, *x.shape[2:])], 1)
 
 
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x[:, rows]`` (``[1, N, ...] -> [1, R, ...]``), or ``x`` for None."""
+    return x if rows is None else x[:, rows]
+
+
 class _PeagleAttentionMixin:
     """P-EAGLE single parallel-group attention for a llama / qwen3 attention module."""
 
@@ -79,6 +84,7 @@ class _PeagleAttentionMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention over all COD depths in one pass.
 
@@ -90,10 +96,12 @@ class _PeagleAttentionMixin:
                 enter through ``position_embeddings`` (RoPE cos/sin of these
                 positions, computed once per forward by the draft).
             block_mask: the COD visibility (:class:`PeagleMask`).
+            output_rows: ``[R]`` rows whose output is wanted (None: all); ``o_proj`` runs
+                on those only.
 
         Returns:
-            ``[1, N, D]``. No per-depth rotary offset and no cache: the depth is in
-            the positions, the cross-depth visibility entirely in ``block_mask``.
+            ``[1, N, D]`` (``[1, R, D]``). No per-depth rotary offset and no cache: the
+            depth is in the positions, the cross-depth visibility entirely in ``block_mask``.
         """
         shape = (*combined_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(combined_states).view(shape)
@@ -106,7 +114,8 @@ class _PeagleAttentionMixin:
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)
         out = peagle_attention(q, k, v, block_mask, self.scaling)  # [1, nh, N, hd]
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        out = out.transpose(1, 2).flatten(2)
+        return self.o_proj(out if output_rows is None else out[:, output_rows])
 
 
 class _PeagleDecoderLayerMixin:
@@ -120,6 +129,7 @@ class _PeagleDecoderLayerMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same norms, residuals and MLP as speculators' first layer, COD attention.
 
@@ -129,15 +139,20 @@ class _PeagleDecoderLayerMixin:
             Both may be ``[1, U < N, D]``, the last row standing for the sequence's last
             ``N - U + 1`` rows (their norms and q/k/v projections then run once); the
             output is ``[1, N, D]`` either way.
+            output_rows: ``[R]`` rows whose output is wanted (None: all): every row is a
+            key/value of the attention, and only these go on through ``o_proj``, the
+            residual and the MLP (row by row), giving ``[1, R, D]``.
         """
         residual = hidden_states
         hidden = _rms_norm(self.hidden_norm, hidden_states)
         if self.norm_before_residual:
             residual = hidden
         combined = torch.cat([_rms_norm(self.input_layernorm, input_embeds), hidden], dim=-1)
-        out = _expand_last_row(residual, position_ids.shape[1]) + self.self_attn.forward_peagle(
-            combined, position_ids, block_mask, position_embeddings=position_embeddings
-        )
+        residual = _expand_last_row(residual, position_ids.shape[1])
+        out = _rows(residual, output_rows) + self.self_attn.forward_peagle(
+            combined, position_ids, block_mask, position_embeddings=position_embeddings,
+            output_rows=output_rows,
+        )  # fmt: skip
         return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
 
@@ -151,13 +166,16 @@ class _PeagleVanillaLayerMixin:
         block_mask: PeagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Standard pre-norm block over ``[1, N, D]`` with the COD mask."""
-        out = hidden_states + self.self_attn.forward_peagle(
+        """Standard pre-norm block over ``[1, N, D]`` with the COD mask (``output_rows``:
+        as the first layer's)."""
+        out = _rows(hidden_states, output_rows) + self.self_attn.forward_peagle(
             _rms_norm(self.input_layernorm, hidden_states),
             position_ids,
             block_mask,
             position_embeddings=position_embeddings,
+            output_rows=output_rows,
         )
         return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
@@ -229,6 +247,7 @@ class _PeagleDraftMixin:
         position_ids: torch.Tensor,
         block_mask: list[PeagleMask],
         mask_slots: int = 0,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Single parallel-group forward over the flattened COD sequence.
 
@@ -243,9 +262,15 @@ class _PeagleDraftMixin:
                 layer embeds, normalises and projects them once: the same result and
                 gradients, without ``m - 1`` rows of q/k/v projection. Row ``N - m``
                 is used for all ``m``; 0 (the default) treats every row as its own.
+            output_rows: ``[R]`` the rows whose states are wanted (None: all). Every row
+                is key/value context, but after the last layer's attention nothing
+                mixes rows, so its ``o_proj``, residual and MLP run on these rows only:
+                the rows the loss charges (a row outside them is context and nothing
+                more). The same values and gradients as ``forward_peagle(...)[:, rows]``.
 
         Returns:
-            ``[1, N, D]`` pre-logits states (after ``norm`` when ``config.norm_output``).
+            ``[1, N, D]`` (``[1, R, D]``) pre-logits states (after ``norm`` when
+            ``config.norm_output``).
         """
         n = sampled_input_ids.shape[1]
         if (
@@ -259,12 +284,13 @@ class _PeagleDraftMixin:
         embeds = embeds.to(sampled_projected_hidden.dtype)
         rope = self.rotary_emb(embeds, position_ids)
         hidden = sampled_projected_hidden[:, :distinct]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             args = (embeds, hidden) if i == 0 else (hidden,)
             hidden = self._run_draft_layer(
                 layer.forward_peagle,
                 (*args, position_ids, block_mask[i]),
-                {"position_embeddings": rope},
+                {"position_embeddings": rope, "output_rows": output_rows if i == last else None},
             )
         return _rms_norm(self.norm, hidden) if self.config.norm_output else hidden
 

@@ -198,7 +198,8 @@ class PEagleTrainerModule(torch.nn.Module):
             target_logits_row: ``[L, V or V_d]`` or ``None`` (then ``verifier_row [L, H]``).
             anchor_pos, depth, orig_positions: ``[N]`` elements, depth-major.
             loss_positions: ``[N]`` bool, the elements charged here; the rest ride
-                along as key/value context and get no ``lm_head`` call.
+                along as key/value context and stop after the last layer's attention
+                (no ``o_proj``, MLP or ``lm_head`` for them).
             row_length: the row's valid length, per packed document: ``[n_docs]``
                 lengths from position 0 (their sum is the valid length), or a scalar
                 for a row of one document. Positions past it are padding.
@@ -226,21 +227,22 @@ class PEagleTrainerModule(torch.nn.Module):
         masks = draft.build_peagle_block_mask(
             anchor_pos, depth, torch.as_tensor(row_length), seq_len
         )
+        rows = torch.nonzero(loss_positions).squeeze(1)
         hidden = draft.forward_peagle(
             sampled_ids[None],
             projected[None],
             orig_positions[None],
             masks,
             mask_slots=depth.shape[0] - n0,
-        )[0]
-        rows = torch.nonzero(loss_positions).squeeze(1)
+            output_rows=rows,
+        )[0]  # [R, D]: the charged rows
         # Target logits once per distinct position (elements of different depths share
         # positions), draft columns only; logits and KL for charged rows only.
         positions, target_rows = torch.unique(orig_positions[rows], return_inverse=True)
         with torch.no_grad():
             targets = self._targets(positions, target_logits_row, verifier_row)
         kl_sum, hits = fused_linear_kl(
-            draft.lm_head_inputs(hidden[rows]),
+            draft.lm_head_inputs(hidden),
             draft.lm_head.weight,
             targets,
             target_rows,
