@@ -335,14 +335,19 @@ def _hidden_states_layout(
 
 
 def _aux_slots(
-    layer_ids: Sequence[int], settings: dict | None, n_aux: int, path: Path
+    layer_ids: Sequence[int],
+    recorded: Sequence[int] | None,
+    last: int | None,
+    n_aux: int,
+    path: Path,
 ) -> list[int]:
     """The stored slots (of ``[seq, n_aux + 1, H]``) that hold aux layers ``layer_ids``.
 
-    Slot ``k < n_aux`` holds the ``k``-th recorded layer id; the last slot holds the state
-    after the target's last layer, which is aux layer ``N`` (``N`` = its layer count: vLLM
-    captures ``N`` after the last layer). Example: data of layers (2, 15, 27) on a 30-layer
-    target read as (2, 15, 27, 30) -> slots [0, 1, 2, 3]; as (15, 30) -> [1, 3].
+    Slot ``k < n_aux`` holds ``recorded[k]`` (None: layers unknown, only the count can
+    be checked); the last slot holds the state after the target's last layer, which is
+    aux layer ``last`` = ``N``, its layer count (vLLM captures ``N`` after the last layer;
+    None: unknown). Example: data of layers (2, 15, 27) on a 30-layer target read as
+    (2, 15, 27, 30) -> slots [0, 1, 2, 3]; as (15, 30) -> [1, 3].
     """
     ids = [int(i) for i in layer_ids]
     if ids != sorted(set(ids)):
@@ -350,7 +355,6 @@ def _aux_slots(
             f"Aux layer ids {ids} must be distinct and ascending: vLLM concatenates the aux "
             "states in layer order."
         )
-    recorded = None if settings is None else settings["target_layer_ids"]
     if recorded is None:
         if len(ids) != n_aux:
             raise DataError(
@@ -359,7 +363,6 @@ def _aux_slots(
             )
         return list(range(n_aux))
     held = {layer: slot for slot, layer in enumerate(recorded)}
-    last = settings.get("target_num_layers")
     if last is not None:
         held.setdefault(last, n_aux)
     missing = [i for i in ids if i not in held]
@@ -433,8 +436,13 @@ def open_training_data(
     chosen = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
     if chosen is None:
         dataset.aux_slots = list(range(n_aux))
+    elif online is not None:  # computed for its own layer ids (N among them, if asked)
+        dataset.aux_slots = _aux_slots(chosen, online.layer_ids, None, n_aux, path)
+    elif settings is not None:
+        recorded, last = settings["target_layer_ids"], settings.get("target_num_layers")
+        dataset.aux_slots = _aux_slots(chosen, recorded, last, n_aux, path)
     else:
-        dataset.aux_slots = _aux_slots(chosen, settings if online is None else None, n_aux, path)
+        dataset.aux_slots = _aux_slots(chosen, None, None, n_aux, path)
     data = TrainingData(
         path=path,
         dataset=dataset,
