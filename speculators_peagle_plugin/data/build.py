@@ -28,7 +28,7 @@ from .config import (
 )
 from .dataset import TrainingData, open_training_data
 from .generation import Target, generate_responses
-from .prompts import load_prompts, resolved_spec
+from .prompts import read_training_prompts, resolved_spec
 from .storage import check_free_space, storage_estimate
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 _IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
     "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
+    "contamination_guard",
 )  # fmt: skip
+# The value of a later identity key in data made before it existed.
+_BEFORE_KEY = {"contamination_guard": False}
 
 
 def _settings(config: DataGenConfig, model_config) -> dict:
@@ -76,10 +79,11 @@ def _check_output(output: Path, settings: dict) -> bool:
     if settings_path.exists():
         old = read_json(settings_path)
         for key in _IDENTITY_KEYS:
-            if old.get(key) != settings[key]:
+            before = old.get(key, _BEFORE_KEY.get(key))
+            if before != settings[key]:
                 raise ValueError(
                     f"--output {output} was made with different settings ({key}: "
-                    f"{old.get(key)!r} there, {settings[key]!r} now); use a new --output "
+                    f"{before!r} there, {settings[key]!r} now); use a new --output "
                     "directory or the original settings to resume."
                 )
         return True
@@ -156,6 +160,8 @@ def _output_of(config: DataGenConfig):
     """``(settings, target, prompts)`` while ``config.output`` is locked and checked.
 
     Everything that can reject the input runs before the output directory is touched.
+    ``settings`` gains the contamination guard's record (``contamination``: what it checked
+    and how many prompts it dropped; None with the guard off), written with the data.
     """
     from transformers import AutoConfig
 
@@ -165,7 +171,9 @@ def _output_of(config: DataGenConfig):
         raise ValueError(f"--output {output} is a file; choose a new or empty directory.")
     with exclusive_directory(output, "generate-data"):
         _check_output(output, settings)
-        prompts = load_prompts(config.prompts, config.max_samples)
+        prompts, settings["contamination"] = read_training_prompts(
+            config.prompts, config.max_samples, config.contamination_guard
+        )
         yield settings, Target(config), prompts
 
 

