@@ -201,7 +201,8 @@ def _check_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 
 def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                 target: Path, trained: str, dtype: str) -> dict:  # fmt: skip
-    """eval's sweep; returns the paths of its record and plots."""
+    """eval's sweep; returns the paths of its record and plots. A rerun after a failure
+    runs eval into the same RUN/eval, which measures only the cells its cells.jsonl lacks."""
 
     def evaluate() -> dict:
         args = ["eval", "--target", str(target), "--draft", str(layout.trained_draft),

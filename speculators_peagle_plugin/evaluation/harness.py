@@ -4,7 +4,9 @@ Flow of :func:`evaluate`: check every draft (:mod:`..serving.check`; errors stop
 load the prompt sets and apply the target's chat template -> a no-draft baseline, then
 every (draft, K), each at every concurrency and prompt set -> a terminal table, the K to
 serve per concurrency (:mod:`.recommend`), a JSON record with provenance and the PNG
-figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). vLLM runs out of process
+figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). Each finished cell is kept in
+``output_dir/cells.jsonl`` as it ends, and a rerun into the same directory measures only the
+cells it lacks (:mod:`.cells`, :func:`resume_units`). vLLM runs out of process
 (:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K) whose
 ``max_num_seqs`` is the largest concurrency; the worker keeps each cell's concurrency in
 flight itself (:func:`~..serving.inflight.drive`). On CPU the engines' concurrency-1 cells
@@ -24,12 +26,14 @@ import dataclasses
 import functools
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..data.prompts import load_prompt_set, render_prompts
 from ..serving.counters import SpecDecodeCounters
 from ..serving.vllm_client import VllmJob, VllmWorker
+from .cells import CELLS_FILE, FinishedCells, cell_key
 from .config import EvalConfig
 from .report import finish_record, start_record, summarize
 
@@ -54,9 +58,10 @@ def evaluate(
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = start_record(config, argv, checks, tokenizer, prompt_sets)
-    runs = _run_jobs(config, jobs, tokenizer, out_dir)
+    runs = _run_jobs(config, jobs, tokenizer, out_dir, record)
     for run in runs:
         run["per_category"] = per_category(run, prompt_sets)
+    record["resumed_cells"] = sum(run["resumed"] for run in runs)
     finish_record(record, runs, out_dir, echo)
     return record
 
@@ -208,6 +213,28 @@ def plan_turns(jobs: Sequence[_Job], interleave: bool) -> list[tuple[int, VllmJo
     return plan
 
 
+def resume_units(jobs: Sequence[_Job], in_turns: bool) -> list[tuple[int, ...]]:
+    """The groups of jobs (indices) that are saved and reused as one (:mod:`.cells`).
+
+    Rule: when the engines take turns (:func:`plan_turns`), the concurrency-1 jobs of one
+    prompt set are one unit; every other job is a unit of its own. A speedup is a draft
+    cell's tokens/s over the baseline's at the same concurrency; cells measured in turns
+    owe that ratio to sharing the same minutes, whose drift cancels out of it, so a rerun
+    reuses them all or measures them all again in turns, and never pairs a draft cell with
+    a baseline measured in other turns. A job measured whole was paired across minutes
+    from the start (one engine after another), so it stands alone.
+
+    Example: no draft, K=1 and K=2 at c = 1, 4 on sets a, b, in turns -> units
+    (a c=1: no draft, K=1, K=2), (b c=1: no draft, K=1, K=2), then each c=4 job alone.
+    """
+    units: dict[object, tuple[int, ...]] = {}
+    for i, job in enumerate(jobs):
+        together = in_turns and job.engine.batch_size == 1
+        unit = ("turns", job.prompt_set) if together else i
+        units[unit] = units.get(unit, ()) + (i,)
+    return list(units.values())
+
+
 def merge_pieces(pieces: Sequence[dict]) -> dict:
     """One cell's result from the results of its pieces, in prompt order: counts, tokens and
     decode time add up; per-request lists and outputs concatenate."""
@@ -251,15 +278,14 @@ class _Workers:
     on a quiet machine as a whole cell does."""
 
     def __init__(self, config: EvalConfig, out_dir: Path, plan: list[tuple[int, VllmJob]],
-                 separate: bool, bar):  # fmt: skip
+                 separate: bool, kv_cache_gb: int | None, engines: int, bar):  # fmt: skip
         self.config, self.out_dir, self.separate = config, out_dir, separate
         self.last = {self._key(job): n for n, (_, job) in enumerate(plan)}
-        alive = len(self.last)
-        self.kv_cache_gb = config.resolved_kv_cache_gb(alive)
+        self.kv_cache_gb = kv_cache_gb
         self.workers: dict[tuple, VllmWorker] = {}
         self.previous: tuple[tuple, float] | None = None  # (engine, when its piece ended)
         if self.kv_cache_gb is not None:
-            shared = f" per engine, {alive} engines alive at once" if separate else ""
+            shared = f" per engine, {engines} engines alive at once" if separate else ""
             bar.write(f"vLLM CPU KV cache: {self.kv_cache_gb} GiB{shared} (--kv-cache-gb)")
 
     def _key(self, job: VllmJob) -> tuple:
@@ -286,9 +312,16 @@ class _Workers:
             worker.close()
 
 
-def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) -> list[dict]:
+def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
+              record: dict | None = None) -> list[dict]:  # fmt: skip
     """Run every job (vLLM workers or reference runtime) under one progress bar, in the
-    order of :func:`plan_turns`; returns one run per job, in the order of ``jobs``."""
+    order of :func:`plan_turns`; returns one run per job, in the order of ``jobs``.
+
+    With ``record`` (its header: the hashes of the inputs), each unit of cells
+    (:func:`resume_units`) is appended to ``out_dir/cells.jsonl`` as soon as it is
+    measured, and the units found there are reused instead: only the other jobs are
+    planned, so an engine none of whose cells is missing is never started.
+    """
     from tqdm import tqdm
 
     from ..serving.reference import stop_token_ids
@@ -297,14 +330,33 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
     engines = {_engine(j.engine) for j in jobs}
     turns = (config.resolved_interleave() and len(engines) > 1
              and any(j.engine.batch_size == 1 for j in jobs))  # fmt: skip
-    plan = plan_turns(jobs, turns)
-    pieces: dict[int, list[dict]] = {i: [] for i in range(len(jobs))}
-    bar = tqdm(total=sum(len(j.engine.prompts) for j in jobs), unit="prompt", desc="eval")
+    # shared by the whole sweep's engines, so that a rerun's engines get what the first run's got
+    kv_cache_gb = config.resolved_kv_cache_gb(len(engines) if turns else 1)
+    units = resume_units(jobs, turns)
+    results: dict[int, dict] = {}  # job index -> its merged result
+    store, keys = None, {}
+    if record is not None:
+        store = FinishedCells(out_dir / CELLS_FILE)
+        for unit in units:
+            keys[unit] = _unit_key(config, [jobs[i] for i in unit], record, turns, kv_cache_gb)
+            found = store.get(keys[unit])
+            if found is not None:
+                results.update(zip(unit, found, strict=True))
+    resumed = set(results)
+    todo = [i for i in range(len(jobs)) if i not in resumed]
+    plan = [(todo[i], piece) for i, piece in plan_turns([jobs[i] for i in todo], turns)]
+    left = Counter(i for i, _ in plan)
+    unit_of = {i: unit for unit in units for i in unit}
+    pieces: dict[int, list[dict]] = {i: [] for i in todo}
+    bar = tqdm(total=sum(len(jobs[i].engine.prompts) for i in todo), unit="prompt", desc="eval")
+    if resumed:
+        bar.write(f"{len(resumed)} of {len(jobs)} cells finished earlier "
+                  f"({out_dir / CELLS_FILE}); measuring the other {len(todo)}")  # fmt: skip
     workers = None
     try:
         if config.backend == "vllm":
             bar.set_postfix_str("starting vLLM")
-            workers = _Workers(config, out_dir, plan, turns, bar)
+            workers = _Workers(config, out_dir, plan, turns, kv_cache_gb, len(engines), bar)
         for n, (i, piece) in enumerate(plan):
             job = jobs[i]
             k, c = job.engine.num_speculative_tokens, job.engine.batch_size
@@ -316,13 +368,19 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
             else:
                 result = _run_reference(piece, stop_ids, progress)
                 pieces[i].append({**result, "engine": None})
+            left[i] -= 1
+            unit = unit_of[i]
+            if all(left[j] == 0 for j in unit):  # the unit's last piece
+                results.update((j, merge_pieces(pieces[j])) for j in unit)
+                if store is not None:
+                    store.add(keys[unit], [results[j] for j in unit])
     finally:
         bar.close()
         if workers is not None:
             workers.close()
     runs = []
     for i, job in enumerate(jobs):
-        result = merge_pieces(pieces[i])
+        result = results[i]
         runs.append(
             {
                 "prompt_set": job.prompt_set,
@@ -332,6 +390,7 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
                 "concurrency": job.engine.batch_size,
                 "backend": config.backend,
                 "pieces": result["pieces"],
+                "resumed": i in resumed,
                 "counters": result["counters"],
                 "engine": result["engine"],
                 **summarize(result),
@@ -340,6 +399,26 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path) ->
             }
         )
     return runs
+
+
+def _unit_key(config: EvalConfig, unit: list[_Job], record: dict, in_turns: bool,
+              kv_cache_gb: int | None) -> dict:  # fmt: skip
+    """The key a unit of cells is saved under: its cells' keys (:func:`.cells.cell_key`),
+    each with the hashes ``record`` holds of its inputs, and whether they ran in turns."""
+    sets = {p["name"]: p["sha256"] for p in record["prompt_sets"]}
+    drafts = {d["path"]: d["sha256"] for d in record["drafts"]}
+    versions = record["provenance"]["versions"]
+    cells = []
+    for job in unit:
+        setting = {
+            "prompt_set": job.prompt_set, "prompt_set_sha256": sets[job.prompt_set],
+            "target_config_sha256": record["target"]["config_sha256"],
+            "draft_sha256": drafts.get(job.engine.draft), "backend": config.backend,
+            "in_process": config.in_process, "kv_cache_gb": kv_cache_gb,
+            "vllm": versions["vllm"], "torch": versions["torch"],
+        }  # fmt: skip
+        cells.append(cell_key(job.engine, setting))
+    return {"in_turns": in_turns, "cells": cells}
 
 
 def _progress(bar, tag: str) -> Callable[[dict], None]:
