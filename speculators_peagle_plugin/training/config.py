@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
 from ..common.dtypes import DTYPE_NAMES
@@ -165,6 +166,16 @@ class TrainConfig:
     max_steps: int | None = _opt(None, "Stop after this many optimizer steps.")
     checkpoint_freq: float = _opt(1.0, "Checkpoint every N epochs (< 1: several times per epoch).")
     keep_checkpoints: int = _opt(2, "How many of the newest checkpoints to keep.")
+    validation_data_path: str | None = _opt(
+        None,
+        "Held-out data (speculators format, same target and aux layers): every checkpoint's "
+        "estimated acceptance on it goes to validation.jsonl, the best checkpoint to best/.",
+    )
+    early_stop_patience: int | None = _opt(
+        None,
+        "With --validation-data-path: stop once this many checkpoints in a row have not "
+        "beaten the best estimated acceptance.",
+    )
     log_freq: int = _opt(1, "Write the metrics log every N steps.")
     seed: int = _opt(42, "Seed for initialisation, data order and COD sampling.")
     gradient_checkpointing: bool = _opt(False, "Recompute each draft layer in backward.")
@@ -187,6 +198,11 @@ class TrainConfig:
             runs = " (--online runs the target inside training)" if self.online else ""
             raise ValueError(f"verifier_name_or_path is required (--verifier-name-or-path){runs}.")
         self._check_online()
+        if Path(self.save_path).is_file():
+            raise ValueError(
+                f"--save-path {self.save_path} is a file, not a directory; choose a new or "
+                "empty directory, or the save path of the run to resume."
+            )
         for f in fields(self):
             allowed = f.metadata.get("choices")
             if allowed and getattr(self, f.name) not in allowed:
@@ -203,7 +219,7 @@ class TrainConfig:
         check_int_at_least("sequence_partitions", self.sequence_partitions, 1)
         for name, low in (
             ("max_steps", 1), ("sliding_window", 1), ("scheduler_warmup_steps", 0),
-            ("num_key_value_heads", 1),
+            ("num_key_value_heads", 1), ("early_stop_patience", 1),
         ):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int_at_least(name, getattr(self, name), low)
@@ -238,6 +254,16 @@ class TrainConfig:
             raise ValueError(
                 f"scheduler_warmup_steps {warmup} is more than max_steps {self.max_steps}: the "
                 "learning rate would never reach lr; use at most max_steps warmup steps."
+            )
+        if self.early_stop_patience is not None and not self.validation_data_path:
+            raise ValueError(
+                "early_stop_patience needs validation_data_path: held-out data to score "
+                "each checkpoint on."
+            )
+        if self.validation_data_path and not Path(self.validation_data_path).is_dir():
+            raise ValueError(
+                f"validation_data_path {self.validation_data_path} is not a directory; give "
+                "data made by generate-data for held-out prompts."
             )
         self.cod  # noqa: B018 - validates the algorithm's knobs once, here
 

@@ -47,6 +47,7 @@ from .progress import (
     trim_metrics_log,
 )
 from .step import gradient_norm, to_device, train_step
+from .validation import Validation
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
-    """Train a draft; returns the final checkpoint directory.
+    """Train a draft; returns the final checkpoint directory (with validation: ``SAVE/best``).
 
     Rank 0 holds ``save_path``'s lock for the whole run: a second run on the same path is
     refused at once. Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM
@@ -275,6 +276,13 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if world.rank == 0:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
+    validation = None
+    if config.validation_data_path:
+        validation = Validation(config, save_path, start, world)
+        if saved is not None and not any(r["step"] == start for r in validation.records):
+            validation.score(saved, start, start / steps_per_epoch)  # killed while scoring
+        if validation.should_stop:  # this run stopped early before
+            return validation.best_dir
     every = max(1, math.floor(config.checkpoint_freq * steps_per_epoch))
     dtype = getattr(torch, config.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
@@ -322,10 +330,24 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                     optimizer=setup.optimizer, scheduler=setup.scheduler,
                     config=config, world=world,
                 )  # fmt: skip
+                if validation is not None and not stop_now:
+                    if validation.score(saved, step + 1, (step + 1) / steps_per_epoch):
+                        logger.info("stopping early: %s", _stop_reason(validation))
+                        break
             if stop_now:
                 bar.close()
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, saved)
     bar.close()
+    if validation is not None and validation.best is not None:
+        return validation.best_dir
     if saved is None:  # resumed from a finished run: nothing left to do
         raise ValueError(f"{save_path} holds no checkpoint to return.")
     return saved
+
+
+def _stop_reason(validation: Validation) -> str:
+    best = validation.best
+    return (
+        f"{validation.since_best} checkpoints since the best estimated acceptance "
+        f"{best['acceptance_length']:.4f} (step {best['step']}), kept in {validation.best_dir}"
+    )

@@ -1,0 +1,105 @@
+"""Validation while training: held-out acceptance after each checkpoint, the best kept, early stop.
+
+With ``validation_data_path`` set, every checkpoint is scored on that data by
+:func:`~.heldout.heldout_metrics` (teacher-forced accuracy per depth and the acceptance
+length it predicts, the figure vLLM's acceptance follows) and the record appended to
+``SAVE/validation.jsonl``. The checkpoint with the highest estimated acceptance so far is
+copied to ``SAVE/best`` (weights and config, what vLLM serves), so pruning older
+checkpoints never loses it. With ``early_stop_patience = p`` training stops once ``p``
+checkpoints in a row have not beaten the best, and returns ``SAVE/best``.
+
+A resumed run reads the records up to its checkpoint (later ones, written by a run killed
+after them, are dropped) and so continues with the same best and the same patience count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from ..common.files import atomic_directory, atomic_write_text
+from .checkpoint import STATE_FILE
+from .config import TrainConfig
+from .distributed import World
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BEST_DIR", "VALIDATION_FILE", "Validation"]
+
+VALIDATION_FILE = "validation.jsonl"
+BEST_DIR = "best"
+
+
+class Validation:
+    """The validation records of one run (``SAVE/validation.jsonl``) and its best checkpoint.
+
+    Args:
+        config: the run's settings (``validation_data_path``, ``early_stop_patience``).
+        save_path: the run's directory.
+        resumed_step: the step the run continues from (0 for a fresh run); records of
+            later steps are dropped.
+    """
+
+    def __init__(self, config: TrainConfig, save_path: Path, resumed_step: int, world: World):
+        self.config, self.world = config, world
+        self.path = save_path / VALIDATION_FILE
+        self.best_dir = save_path / BEST_DIR
+        self.records: list[dict] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line a killed run was writing
+                if record.get("step", float("inf")) <= resumed_step:
+                    self.records.append(record)
+        if world.rank == 0:
+            text = "".join(json.dumps(r) + "\n" for r in self.records)
+            atomic_write_text(self.path, text)
+
+    @property
+    def best(self) -> dict | None:
+        """The record with the highest estimated acceptance (the earliest of equals)."""
+        best = None
+        for record in self.records:
+            if best is None or record["acceptance_length"] > best["acceptance_length"]:
+                best = record
+        return best
+
+    @property
+    def since_best(self) -> int:
+        """Checkpoints scored after the best one."""
+        best = self.best
+        return 0 if best is None else len(self.records) - 1 - self.records.index(best)
+
+    @property
+    def should_stop(self) -> bool:
+        patience = self.config.early_stop_patience
+        return patience is not None and self.since_best >= patience
+
+    def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
+        """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
+        from .heldout import heldout_metrics
+
+        metrics = heldout_metrics(checkpoint, self.config, self.config.validation_data_path)
+        record = {"step": step, "epoch": epoch, "checkpoint": checkpoint.name, **metrics}
+        previous = self.best
+        self.records.append(record)
+        improved = previous is None or record["acceptance_length"] > previous["acceptance_length"]
+        if self.world.rank == 0:
+            if improved:
+                with atomic_directory(self.best_dir) as tmp:
+                    for item in checkpoint.iterdir():
+                        if item.is_file() and item.name != STATE_FILE:
+                            shutil.copy2(item, tmp / item.name)
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            logger.info(
+                "validation at step %d: estimated acceptance %.4f (best %.4f at step %d)",
+                step, record["acceptance_length"], self.best["acceptance_length"],
+                self.best["step"],
+            )  # fmt: skip
+        self.world.barrier()
+        return self.should_stop
