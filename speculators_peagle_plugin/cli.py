@@ -277,13 +277,21 @@ def _demo_run_dirs() -> str:
 @click.option("--config", "train_config", type=click.Path(dir_okay=False),
               help="Training YAML [default: configs/demo_smollm2.yaml].")  # fmt: skip
 @click.option("--quick", is_flag=True, help="CI-sized run: 6 prompts, 2 steps, a short eval.")
-def demo(run_dir: str | None, train_config: str | None, quick: bool) -> None:
+@click.option("--recipe", type=click.Path(dir_okay=False),
+              help="A recipe YAML of demo settings, e.g. configs/long_smollm2.yaml.")  # fmt: skip
+def demo(run_dir: str | None, train_config: str | None, quick: bool, recipe: str | None) -> None:
     """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
     from .demo.pipeline import DemoConfig, quick_config, run_demo
 
     values = {k: v for k, v in (("run_dir", run_dir), ("train_config", train_config)) if v}
     try:
-        run_demo(quick_config(**values) if quick else DemoConfig(**values), echo=click.echo)
+        if quick and recipe:
+            raise ValueError("--quick and --recipe are exclusive: choose one.")
+        if recipe:
+            config = DemoConfig.from_recipe(recipe, **values)
+        else:
+            config = quick_config(**values) if quick else DemoConfig(**values)
+        run_demo(config, echo=click.echo)
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -27,6 +27,8 @@ class RunLayout:
         self.root = Path(root)
         self.prompts = self.root / "train_prompts.jsonl"
         self.data = self.root / "data"
+        self.validation_prompts = self.root / "validation_prompts.jsonl"
+        self.validation_data = self.root / "validation-data"
         self.train = self.root / "train"
         self.trained_draft = self.root / "trained-draft"
         self.untrained_draft = self.root / "untrained-draft"
@@ -38,17 +40,22 @@ def has_weights(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
-def write_prompts(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path) -> int:
+def write_prompts(
+    train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path, keep=None
+) -> int:
     """Write the training conversations as ``{"messages": [...]}`` rows; returns the count.
 
     Uses the eval harness's loader, so training and held-out prompts are rendered alike
     (HumanEval as "Complete the following Python function." + the prompt's code). Raises
     ``ValueError`` if an eval conversation is also a training one (it would not be held out).
+    ``keep(conversation) -> bool``, if given, leaves out the conversations it rejects.
     Example: ("humaneval[0:120]", "chat[0:100]") -> 220 rows.
     """
     from ..data.prompts import load_prompt_set
 
     rows = [c for spec in train_specs for c in load_prompt_set(spec).conversations]
+    if keep is not None:
+        rows = [c for c in rows if keep(c)]
     seen = {json.dumps(c, sort_keys=True) for c in rows}
     for spec in eval_specs:
         held_out = load_prompt_set(spec).conversations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 __all__ = ["DemoConfig", "QUICK", "quick_config"]
@@ -17,6 +17,11 @@ class DemoConfig:
         train_config: the training YAML given to ``speculators-peagle train --config``.
         train_prompts / eval_prompts: prompt-set specs (``data.prompts.load_prompt_set``);
             the eval sets must not overlap the training sets.
+        validation_prompts: held-out prompts whose replies score every checkpoint
+            (``train --validation-data-path``; the YAML's ``early_stop_patience`` stops on
+            them, and the best checkpoint is the one served); empty: no validation.
+        max_prompt_tokens: training and validation prompts longer than this (chat template
+            applied) are left out: a reply after them would not fit the training rows.
         max_new_tokens: reply length cap when generating training data.
         num_samples / temperature: replies sampled per training prompt, at this temperature.
         gen_backend: generate-data's ``--backend`` (vllm batches the requests in flight).
@@ -35,11 +40,15 @@ class DemoConfig:
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
             on CPUs that multiply it natively, float32 elsewhere.
         quick: a CI-sized run whose figures mean nothing.
+
+    A recipe (``demo --recipe FILE.yaml``, :meth:`from_recipe`) sets any of these fields.
     """
 
     run_dir: str = "runs/demo"
     train_config: str = str(Path(__file__).with_name("demo_smollm2.yaml"))
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
+    validation_prompts: tuple[str, ...] = ()
+    max_prompt_tokens: int | None = None
     # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
     eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]", "mt_bench[::10]")
     max_new_tokens: int = 200
@@ -86,8 +95,37 @@ class DemoConfig:
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "
                 f"got {self.target_dtype!r}."
             )
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps!r}.")
+        for name in ("max_steps", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):  # fmt: skip
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}.")
+
+    @classmethod
+    def from_recipe(cls, path: str | Path, **overrides) -> DemoConfig:
+        """The demo configured by the YAML recipe ``path`` (keys: this class's fields; a
+        relative ``train_config`` is read beside the recipe), then ``overrides``.
+
+        Example: ``configs/long_smollm2.yaml`` -> ShareGPT + MBPP prompts, validation,
+        early stopping, MT-Bench's 80 questions in the eval.
+        """
+        from ..common.reading import read_yaml_mapping
+
+        path = Path(path)
+        values = read_yaml_mapping(path)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(
+                f"recipe {path} has unknown key(s) {', '.join(unknown)}; allowed: "
+                f"{', '.join(known)}."
+            )
+        for name, value in values.items():
+            if isinstance(value, list):
+                values[name] = tuple(value)
+        if "train_config" in values:
+            values["train_config"] = str(path.parent / values["train_config"])
+        return cls(**{**values, **overrides})
 
 
 # The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, a 2 x 1 sweep of 4

