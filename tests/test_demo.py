@@ -118,6 +118,11 @@ class FakeCli:
             ckpt.mkdir(parents=True)
             for name in ("config.json", "model.safetensors", "training_state.pt"):
                 (ckpt / name).write_text(name)
+            if "--validation-data-path" in args:  # the best checkpoint, as train keeps it
+                best = ckpt.with_name("best")
+                best.mkdir()
+                for name in ("config.json", "model.safetensors"):
+                    (best / name).write_text(f"best {name}")
         elif args[0] == "eval":
             out = Path(self._opt(args, "--out"))
             out.mkdir(parents=True)
@@ -307,3 +312,66 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
 def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
     with pytest.raises(ValueError, match=re.escape(sentence)):
         demo.DemoConfig(**overrides)
+
+
+# ----------------------------------------------------------------- recipes
+
+
+RECIPE = Path(__file__).parents[1] / "configs" / "long_smollm2.yaml"
+
+
+def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoint(
+    fake_pipeline, tmp_path
+):
+    cli, built, yaml, target = fake_pipeline
+    run_dir = tmp_path / "run"
+    config = demo.DemoConfig.from_recipe(
+        RECIPE, run_dir=str(run_dir), train_prompts=("humaneval[0:3]+chat[0:3]",),
+        validation_prompts=("chat[3:5]",), max_prompt_tokens=None,
+    )  # fmt: skip
+    demo.run_demo(config, echo=lambda s: None)
+    assert [c[0] for c in cli.commands] == [
+        "generate-data", "generate-data", "train", "check", "eval"
+    ]  # fmt: skip
+    data, validation, train = cli.commands[:3]
+    assert FakeCli._opt(data, "--prompts") == str(run_dir / "train_prompts.jsonl")
+    assert FakeCli._opt(validation, "--prompts") == str(run_dir / "validation_prompts.jsonl")
+    assert FakeCli._opt(data, "--num-samples") == "1"
+    assert len((run_dir / "validation_prompts.jsonl").read_text().splitlines()) == 2
+    assert FakeCli._opt(train, "--validation-data-path") == FakeCli._opt(validation, "--output")
+    assert FakeCli._opt(train, "--config") == str(RECIPE.parent / "long_smollm2_train.yaml")
+    served = run_dir / "trained-draft" / "model.safetensors"
+    assert served.read_text() == "best model.safetensors"
+    assert built[0].validation_data_path == FakeCli._opt(validation, "--output")
+    assert built[0].early_stop_patience == 2
+    assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
+        "humaneval[120:164]", "mt_bench"
+    ]  # fmt: skip
+
+
+def test_the_long_recipe_trains_on_ten_times_the_demos_prompts_none_held_out():
+    from speculators_peagle_plugin.data.prompts import load_prompt_set
+
+    config = demo.DemoConfig.from_recipe(RECIPE)
+    assert config.num_samples == 1 and config.max_prompt_tokens == 300
+    (spec,) = config.train_prompts
+    assert len(load_prompt_set(spec)) >= 10 * 220
+    assert not set(config.eval_prompts) & set(config.validation_prompts)
+
+
+def test_a_prompt_filter_leaves_out_what_it_rejects(tmp_path):
+    path = tmp_path / "p.jsonl"
+    count = demo.write_prompts(("chat[0:6]",), (), path, keep=lambda c: len(c[-1]["content"]) < 60)
+    rows = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert count == len(rows) and all(len(r[-1]["content"]) < 60 for r in rows)
+    assert count < 6
+
+
+def test_a_recipe_with_an_unknown_key_is_one_sentence(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run_dir: x\nepochs: 3\n")
+    result = CliRunner().invoke(main, ["demo", "--recipe", str(recipe)])
+    assert result.exit_code != 0
+    assert "has unknown key(s) epochs; allowed: run_dir" in result.output
+    result = CliRunner().invoke(main, ["demo", "--recipe", str(RECIPE), "--quick"])
+    assert result.exit_code != 0 and "exclusive" in result.output
