@@ -41,7 +41,11 @@ class Target:
     def __init__(self, config: DataGenConfig):
         from transformers import AutoTokenizer
 
+        from ..serving.engine_start import check_parallel_size
+
         self.config = config
+        if "vllm" in (config.backend, config.capture_backend):
+            check_parallel_size(config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"The tokenizer of --target {config.target} has no chat template.")

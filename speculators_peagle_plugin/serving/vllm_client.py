@@ -15,6 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engine_start import (
+    POINTER,
+    POINTER_SENTENCE,
+    engine_failure_cause,
+    failure_advice,
+    short_cause,
+)
+
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
 
 
@@ -89,7 +97,10 @@ class VllmWorker:
 
     Use as a context manager; :meth:`run` sends one job and returns its result,
     calling ``on_event`` for every ``engine`` / ``progress`` message. A job vLLM
-    cannot run, or one whose engine does not draft in parallel, raises ``RuntimeError``.
+    cannot run, or one whose engine does not draft in parallel, raises ``RuntimeError``
+    with one sentence: what failed (the engine's start, or a job on it), the cause (for an
+    engine core that died, the one its log names: :mod:`.engine_start`), the log's path and,
+    for a known cause, what to try.
     """
 
     def __init__(self, log_path: str | Path, in_process=False, kv_cache_gb=None):
@@ -101,6 +112,7 @@ class VllmWorker:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        self._since = self.log_path.stat().st_size  # where this worker's (a job's) part begins
         self.proc = subprocess.Popen(
             # -P: the script's folder (serving/) stays off sys.path, so its modules cannot
             # shadow top-level ones of the same name inside the worker
@@ -110,27 +122,65 @@ class VllmWorker:
         )  # fmt: skip
         self.info = self._read()
 
-    def _read(self) -> dict:
+    def _read(self, job: VllmJob | None = None, starting: bool = False) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            code = self.proc.wait()
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(
-                f"the vLLM worker exited (code {code}); its log {str(self.log_path)!r} ends: "
-                + " | ".join(tail)
-            )
+            exited = f"its worker exited with code {self.proc.wait()}"
+            if job is None:
+                what = f"the vLLM worker could not get ready ({exited})"
+            elif starting:
+                what = f"{_engine_of(job)} could not start ({exited})"
+            else:
+                what = f"a job on {_engine_of(job)} failed ({exited})"
+            raise RuntimeError(self._failure(what))
         return json.loads(line)
 
+    def _failure(self, what: str, reported: str | None = None) -> str:
+        """One sentence: ``what`` failed, its cause, the log, and what to try.
+
+        The cause is ``reported`` (the worker's error) unless that only points to a cause
+        vLLM printed elsewhere ("See root cause above"), or there is none: then the one
+        that the log's part since this job (or worker) began names
+        (:func:`engine_failure_cause`), else ``reported`` without its pointer, or the
+        last line of that part.
+        """
+        cause = reported
+        if cause is None or POINTER.search(cause):
+            with open(self.log_path, "rb") as log:
+                log.seek(self._since)
+                text = log.read().decode(errors="replace")
+            cause = engine_failure_cause(text)
+            if cause is None and reported is not None:
+                cause = POINTER_SENTENCE.sub("", reported) + "; its log names no cause"
+            elif cause is None:
+                lines = text.strip().splitlines()
+                cause = f"its log names no cause{', and ends: ' + lines[-1] if lines else ''}"
+        advice = failure_advice(f"{what}: {cause}")
+        tail = f"; try {advice}" if advice else ""
+        return f"{what}: {short_cause(cause)} (vLLM's log: {self.log_path}){tail}."
+
     def run(self, job: VllmJob, on_event: Callable[[dict], None] | None = None) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "run", "job": job.to_json()}) + "\n")
-        self.proc.stdin.flush()
-        engine = None
+        self._since = self.log_path.stat().st_size
+        try:
+            self.proc.stdin.write(json.dumps({"op": "run", "job": job.to_json()}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker is gone: reading its end says why
+        engine, starting = None, False
         while True:
-            message = self._read()
+            message = self._read(job, starting)
             event = message["event"]
             if event == "error":
-                raise RuntimeError(f"vLLM could not run the job: {message['message']}")
+                what = (
+                    f"{_engine_of(job)} could not start"
+                    if starting
+                    else f"a job on {_engine_of(job)} failed"
+                )
+                raise RuntimeError(self._failure(what, message["message"]))
+            if event == "engine_starting":
+                starting = True
             if event == "engine":
+                starting = False
                 engine = {k: v for k, v in message.items() if k != "event"}
             if on_event is not None and event in ("engine", "progress"):
                 on_event(message)
@@ -154,3 +204,9 @@ class VllmWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _engine_of(job: VllmJob) -> str:
+    """``the vLLM engine for target T (draft D, K=k)``: which engine a job runs on."""
+    draft = f" (draft {job.draft}, K={job.num_speculative_tokens})" if job.draft else ""
+    return f"the vLLM engine for target {job.target}{draft}"

@@ -7,7 +7,8 @@ Protocol, one JSON object a line:
 - in (stdin): ``{"op": "run", "job": {...}}`` (a :class:`VllmJob` as JSON) or
   ``{"op": "quit"}``.
 - out (the original stdout; everything vLLM prints goes to stderr): ``{"event": "ready"}``
-  once, then per job ``{"event": "engine", ...}`` when an engine is built,
+  once, then per job ``{"event": "engine_starting"}`` before an engine is built and
+  ``{"event": "engine", ...}`` once it runs,
   ``{"event": "progress", "index", "token_ids", ...}`` after each finished request (its
   position in the job's prompts, its generated tokens), and one
   ``{"event": "result", ...}`` or ``{"event": "error", "message": ...}``.
@@ -87,6 +88,7 @@ class Worker:
             }
             # each request's histogram of accepted drafts: acceptance per prompt category
             kwargs["per_request_spec_decode_metrics"] = "summary"
+        self.emit({"event": "engine_starting"})
         start = time.perf_counter()
         llm = LLM(
             model=job.target,
