@@ -2,8 +2,9 @@
 
 The crash it prevents (a random engine-start death on float32 CPUs): cyclic garbage
 collection runs ``CPUDNNLGEMMHandler.__del__`` while torch.compile traces, its
-``handler_tensor.item()`` goes through the refs mode to a dispatch mode that refuses a
-real tensor and formats it under the same modes, and formatting calls ``.item()`` again.
+``handler_tensor.item()`` goes through the Python dispatcher (refs, prims) to a tracer
+that refuses a real tensor and formats it in the same state, and formatting calls
+``.item()`` again.
 The scenario runs in a child process (a C-level stack overflow aborts the interpreter).
 """
 
@@ -22,7 +23,7 @@ SCENARIO = textwrap.dedent(
     """
     import gc, json, sys
     import torch
-    from torch._prims.context import TorchRefsMode
+    from torch._dispatch.python import enable_python_dispatcher
     from torch.utils._python_dispatch import TorchDispatchMode
     from vllm import _custom_ops as ops
 
@@ -61,7 +62,9 @@ SCENARIO = textwrap.dedent(
     real.handler = ops.create_onednn_mm(torch.randn(64, 32).t(), 32)
     del real
     cyclic_garbage(123456789)
-    with TorchRefsMode(), RefusesRealScalars():
+    # the tracer's state during vLLM's warm-up compile (the Python dispatcher on, in
+    # inference mode) and a fake-tensor refusal of the kind that recursed there
+    with torch.inference_mode(), enable_python_dispatcher(), RefusesRealScalars():
         gc.collect()
     print(json.dumps({"unraisable": unraisable, "released": released}))
     """
