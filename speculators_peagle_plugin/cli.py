@@ -97,11 +97,12 @@ def generate_data(**flags) -> None:
     import logging
 
     from .data.build import generate_data as run_generation
+    from .serving.vllm_client import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         data = run_generation(config_from_flags(DataGenConfig, flags))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EngineError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
         f"{data.path}: {data.num_samples} samples, {sum(data.lengths)} tokens "
@@ -173,6 +174,7 @@ def train(config_file: str | None, **flags) -> None:
     """Train a draft with the selected algorithm (--algorithm, default peagle)."""
     import logging
 
+    from .serving.vllm_client import EngineError
     from .training.loop import train as run_training
     from .training.progress import TrainingInterrupted
 
@@ -180,7 +182,7 @@ def train(config_file: str | None, **flags) -> None:
     try:
         config = build_train_config(config_file, flags)
         final = run_training(config)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EngineError) as exc:
         raise click.ClickException(str(exc)) from None
     except TrainingInterrupted as exc:
         click.echo(f"{exc}; run the same command again to resume.", err=True)

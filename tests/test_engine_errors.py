@@ -305,11 +305,6 @@ def test_generate_data_names_the_cause_of_an_engine_that_dies_at_start(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py's generate-data turns only ValueError and OSError into 'Error: ...'; "
-    "it needs RuntimeError too, as eval has (remove this mark with that change)",
-)
 def test_generate_data_command_ends_in_the_sentence(target_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(
         vllm_client, "WORKER", fake_worker(tmp_path / "worker.py", KV_LOG, error=None)

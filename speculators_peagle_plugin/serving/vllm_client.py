@@ -26,6 +26,11 @@ from .engine_start import (
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
 
 
+class EngineError(RuntimeError):
+    """A vLLM engine that could not start or run a job; the message is one sentence with
+    the cause, the worker's log and what to try."""
+
+
 @dataclass(frozen=True)
 class VllmJob:
     """One batch of prompts for the worker to decode, and the engine to decode it with.
@@ -105,7 +110,7 @@ class VllmWorker:
 
     def __init__(self, log_path: str | Path, in_process=False, kv_cache_gb=None):
         if not WORKER.is_file():
-            raise RuntimeError(f"the vLLM worker script {str(WORKER)!r} is missing.")
+            raise EngineError(f"the vLLM worker script {str(WORKER)!r} is missing.")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1")
         if kv_cache_gb is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
@@ -132,7 +137,7 @@ class VllmWorker:
                 what = f"{_engine_of(job)} could not start ({exited})"
             else:
                 what = f"a job on {_engine_of(job)} failed ({exited})"
-            raise RuntimeError(self._failure(what))
+            raise EngineError(self._failure(what))
         return json.loads(line)
 
     def _failure(self, what: str, reported: str | None = None) -> str:
@@ -176,7 +181,7 @@ class VllmWorker:
                     if starting
                     else f"a job on {_engine_of(job)} failed"
                 )
-                raise RuntimeError(self._failure(what, message["message"]))
+                raise EngineError(self._failure(what, message["message"]))
             if event == "engine_starting":
                 starting = True
             if event == "engine":
