@@ -5,7 +5,7 @@ whose target, training data and validation data every cell shares)::
 
     .venv/bin/python -m eval.scaling --run-dir runs/long --prompts 220,1000,4430 \\
         --steps 500,1000,2000,4000 --num-layers 1,2 --seeds 42 \\
-        [--config configs/long_smollm2_train.yaml] [--out eval/scaling]
+        [--config configs/long_smollm2_train.yaml] [--out runs/scaling] [--report eval/scaling]
 
 A cell is N prompts, a draft of L layers and a seed:
 
@@ -31,8 +31,10 @@ Resumable: a prefix, a finished training run and a finished point are kept
 (``OUT/cells/p<N>-l<L>-s<seed>/{plan.json,train/,step-<S>/point.json}``); an interrupted
 run resumes from its newest checkpoint, and an eval whose ``record.json`` is there for the
 same checkpoint and settings is not run again. A cell trained with other steps or another
-YAML is refused. ``OUT/scaling.json`` holds every point under OUT (so a second invocation,
-three seeds at the adopted points, adds to the first), ``OUT/scaling.png`` draws them, and
+YAML is refused. OUT (git-ignored ``runs/scaling`` by default) holds the bulk: prefix data
+and checkpoints. ``REPORT/scaling.json`` holds every point under OUT (so a second
+invocation, three seeds at the adopted points, adds to the first), ``REPORT/scaling.png``
+draws them (REPORT: ``eval/scaling``, beside eval/RESULTS.md), and
 the markdown tables (rows prompts x layers, columns steps; mean ± sample std over seeds
 where there are several) are printed for eval/RESULTS.md.
 """
@@ -498,7 +500,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-layers", default="1,2", help="Draft depths.")
     parser.add_argument("--config", default="configs/long_smollm2_train.yaml",
                         help="The training YAML.")  # fmt: skip
-    parser.add_argument("--out", default="eval/scaling")
+    parser.add_argument("--out", default="runs/scaling",
+                        help="Prefix data, checkpoints and eval records.")  # fmt: skip
+    parser.add_argument("--report", default="eval/scaling",
+                        help="scaling.json and scaling.png, for eval/RESULTS.md.")  # fmt: skip
     args = parser.parse_args(argv)
     args.prompts = _ints(args.prompts, "--prompts", 1)
     args.steps = _ints(args.steps, "--steps", 1)
@@ -516,7 +521,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
     """Every cell of the grid (prefix-major: the smallest first), then the record of every
-    point under ``args.out``, the plot and the tables; returns the record."""
+    point under ``args.out``, the plot and the tables (``args.report``); returns the record."""
     from datasets import load_from_disk
 
     from speculators_peagle_plugin.demo.pipeline import _cpu_has_bfloat16
@@ -593,11 +598,13 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
             for (n, layers, s), figs in summary.items()
         ],
     }
-    atomic_write_text(out / "scaling.json", json.dumps(record, indent=1) + "\n")
+    report = Path(args.report)
+    report.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(report / "scaling.json", json.dumps(record, indent=1) + "\n")
     if summary:
-        plot(summary, out / "scaling.png")
+        plot(summary, report / "scaling.png")
     print(tables(summary))
-    print(f"record: {out / 'scaling.json'}  plot: {out / 'scaling.png'}")
+    print(f"record: {report / 'scaling.json'}  plot: {report / 'scaling.png'}")
     return record
 
 

@@ -231,7 +231,8 @@ def heldout(monkeypatch):
 def grid_args(run_dir, out, *extra):
     return scaling.parse_args([
         "--run-dir", str(run_dir), "--prompts", "5,16", "--steps", "2,4", "--num-layers", "1,2",
-        "--seeds", "0", "--config", str(run_dir.parent / "tiny.yaml"), "--out", str(out), *extra,
+        "--seeds", "0", "--config", str(run_dir.parent / "tiny.yaml"), "--out", str(out),
+        "--report", str(out.parent / "report"), *extra,
     ])  # fmt: skip
 
 
@@ -245,6 +246,9 @@ def test_finished_cells_and_points_are_not_redone(run_dir, tmp_path, heldout, ca
     assert FakeCli._opt(train, "--max-steps") == "4" and FakeCli._opt(train, "--num-layers") == "1"
     assert "--validation-data-path" not in train and "--enforce-eager" not in cli.commands[1]
     assert len(record["points"]) == 8 and len(heldout) == 8
+    report = tmp_path / "report"
+    assert json.loads((report / "scaling.json").read_text())["points"] == record["points"]
+    assert (report / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     for cell in out.glob("cells/*/train"):  # the checkpoints between requested steps deleted
         assert sorted(p.name for p in cell.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     point = json.loads((out / "cells/p5-l2-s0/step-4/point.json").read_text())
