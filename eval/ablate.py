@@ -90,7 +90,8 @@ def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
                      "--target", demo["target"], "--prompts", spec, "--output", str(path),
                      "--max-new-tokens", str(demo["max_new_tokens"]), "--backend", "vllm",
                      "--kv-cache-gb", str(demo["kv_cache_gb"]),
-                     "--dtype", demo["dtype"]])  # fmt: skip
+                     # the held-out sets themselves: scored, never trained on
+                     "--no-contamination-guard", "--dtype", demo["dtype"]])  # fmt: skip
     return path
 
 

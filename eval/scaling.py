@@ -1,7 +1,8 @@
 """The scaling curve: served acceptance against training prompts, optimizer steps and depth.
 
-Usage (after the long recipe, ``speculators-peagle demo --recipe configs/long_smollm2.yaml``,
-whose target, training data and validation data every cell shares)::
+Usage (after the long recipe,
+``speculators-peagle demo --recipe configs/recipes/long_smollm2.yaml``, whose target,
+training data and validation data every cell shares)::
 
     .venv/bin/python -m eval.scaling --run-dir runs/long --prompts 220,1000,4430 \\
         --steps 500,1000,2000,4000 --num-layers 1,2 --seeds 42 \\
@@ -104,7 +105,7 @@ def run_inputs(run_dir: Path) -> dict:
     if missing:
         raise SystemExit(
             f"{run_dir} holds no finished {' / '.join(missing)} stage in {STATE_FILE}; run "
-            "`speculators-peagle demo --recipe configs/long_smollm2.yaml` first (or pass "
+            "`speculators-peagle demo --recipe configs/recipes/long_smollm2.yaml` first (or pass "
             "--run-dir)."
         )
     prompts_sha256 = _sha256(layout.prompts.read_bytes())

@@ -280,7 +280,7 @@ def _demo_run_dirs() -> str:
               help="Training YAML [default: configs/demo_smollm2.yaml].")  # fmt: skip
 @click.option("--quick", is_flag=True, help="CI-sized run: 6 prompts, 2 steps, a short eval.")
 @click.option("--recipe", type=click.Path(dir_okay=False),
-              help="A recipe YAML of demo settings, e.g. configs/long_smollm2.yaml.")  # fmt: skip
+              help="A recipe YAML of demo settings (configs/recipes/).")  # fmt: skip
 def demo(run_dir: str | None, train_config: str | None, quick: bool, recipe: str | None) -> None:
     """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
     from .demo.pipeline import DemoConfig, quick_config, run_demo

@@ -317,7 +317,7 @@ def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
 # ----------------------------------------------------------------- recipes
 
 
-RECIPE = Path(__file__).parents[1] / "configs" / "long_smollm2.yaml"
+RECIPE = Path(__file__).parents[1] / "configs" / "recipes" / "long_smollm2.yaml"
 
 
 def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoint(
@@ -339,7 +339,8 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     assert FakeCli._opt(data, "--num-samples") == "1"
     assert len((run_dir / "validation_prompts.jsonl").read_text().splitlines()) == 2
     assert FakeCli._opt(train, "--validation-data-path") == FakeCli._opt(validation, "--output")
-    assert FakeCli._opt(train, "--config") == str(RECIPE.parent / "long_smollm2_train.yaml")
+    assert FakeCli._opt(train, "--config") == str(RECIPE.parent / ".." / "long_smollm2_train.yaml")
+    assert FakeCli._opt(train, "--early-stop-patience") == "2"
     served = run_dir / "trained-draft" / "model.safetensors"
     assert served.read_text() == "best model.safetensors"
     assert built[0].validation_data_path == FakeCli._opt(validation, "--output")
@@ -347,6 +348,12 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
         "humaneval[120:164]", "mt_bench"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_is_valid(recipe):
+    config = demo.DemoConfig.from_recipe(recipe)
+    assert Path(config.train_config).is_file()
 
 
 def test_the_long_recipe_trains_on_ten_times_the_demos_prompts_none_held_out():

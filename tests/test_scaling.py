@@ -313,8 +313,8 @@ def test_one_sentence_refusals(run_dir, tmp_path):
     empty.mkdir()
     assert refused(["--run-dir", str(empty)]) == (
         f"{empty} holds no finished target / prompts / data / validation data stage in "
-        "stages.json; run `speculators-peagle demo --recipe configs/long_smollm2.yaml` first "
-        "(or pass --run-dir)."
+        "stages.json; run `speculators-peagle demo --recipe "
+        "configs/recipes/long_smollm2.yaml` first (or pass --run-dir)."
     )
     prompts, tiny = (run_dir / "train_prompts.jsonl").resolve(), run_dir.parent / "tiny.yaml"
     assert refused(["--run-dir", str(run_dir), "--prompts", "5,17", "--config", str(tiny)]) == (

