@@ -97,7 +97,7 @@ def generate_data(**flags) -> None:
     import logging
 
     from .data.build import generate_data as run_generation
-    from .serving.vllm_client import EngineError
+    from .engine.vllm_client import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -174,7 +174,7 @@ def train(config_file: str | None, **flags) -> None:
     """Train a draft with the selected algorithm (--algorithm, default peagle)."""
     import logging
 
-    from .serving.vllm_client import EngineError
+    from .engine.vllm_client import EngineError
     from .training.loop import train as run_training
     from .training.progress import TrainingInterrupted
 

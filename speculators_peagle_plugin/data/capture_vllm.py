@@ -112,7 +112,7 @@ def write_hidden_states_vllm(
     """
     from tqdm import tqdm
 
-    from ..serving.vllm_client import VllmJob, VllmWorker
+    from ..engine.vllm_client import VllmJob, VllmWorker
 
     shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
     dataset, hs_dir, todo = pending_rows(output, shape_tail)

@@ -41,7 +41,7 @@ class Target:
     def __init__(self, config: DataGenConfig):
         from transformers import AutoTokenizer
 
-        from ..serving.engine_start import check_parallel_size
+        from ..engine.engine_start import check_parallel_size
 
         self.config = config
         if "vllm" in (config.backend, config.capture_backend):
@@ -74,7 +74,7 @@ class Target:
         if self.config.backend != "vllm":
             yield
             return
-        from ..serving.vllm_client import VllmWorker
+        from ..engine.vllm_client import VllmWorker
 
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.
@@ -106,7 +106,7 @@ class Target:
         requests that shared its steps (up to the rounding of batched arithmetic); transformers
         samples the whole batch from one generator seeded with ``seeds[0]``. On vLLM,
         ``on_event`` receives the worker's event after every finished request
-        (:meth:`~..serving.vllm_client.VllmWorker.run`), and ``record`` (a
+        (:meth:`~..engine.vllm_client.VllmWorker.run`), and ``record`` (a
         :class:`~.vllm_recorder.HiddenStatesRecorder` spec) has the engine record the hidden
         states of every token it computes; an engine that cannot record says why in the
         log once, and generates as usual.
@@ -115,20 +115,18 @@ class Target:
 
         cfg = self.config
         if self.vllm is not None:
-            from ..serving.vllm_client import VllmJob
-            from .vllm_recorder import RECORDER
+            from ..engine.vllm_client import VllmJob
+            from .vllm_recorder import recording_extension
 
             record = record if self.record_error is None else None
-            overrides = {"tensor_parallel_size": cfg.tensor_parallel_size}
-            if record:
-                overrides["worker_extension_cls"] = RECORDER
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                 seed=cfg.seed, seeds=seeds if cfg.temperature > 0 else None,
                 temperature=cfg.temperature, top_p=cfg.top_p,
-                prefix_caching=True, engine_overrides=overrides,
-                record_hidden_states=record or {},
+                prefix_caching=True,
+                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
+                extension=recording_extension(record) if record else None,
             )  # fmt: skip
 
             def event(message: dict) -> None:
@@ -140,8 +138,8 @@ class Target:
                     on_event(message)
 
             result = self.vllm.run(job, event)
-            if record and (result["recording"] or {}).get("error"):
-                self.record_error = result["recording"]["error"]
+            if record and (result["extension"] or {}).get("error"):
+                self.record_error = result["extension"]["error"]
                 logger.warning(
                     "vLLM could not record the hidden states while generating (%s); a "
                     "second pass will capture them.", self.record_error,

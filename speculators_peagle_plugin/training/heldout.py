@@ -42,7 +42,7 @@ def heldout_metrics(
         per depth, the greedy-chain estimate from it, and the supervised elements per depth.
     """
     from ..data import PackedBatches, open_training_data
-    from ..serving.reference import load_reference_draft
+    from ..engine.reference import load_reference_draft
 
     device = torch.device(config.device)
     draft = load_reference_draft(checkpoint, config.verifier_name_or_path)
