@@ -19,8 +19,9 @@ from helpers.chat_target import gen_args, write_prompt_rows
 from tiny_vllm import tiny_vllm_draft
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data.build import generate_data
-from speculators_peagle_plugin.data.config import VLLM_LOG_FILE, DataGenConfig
+from speculators_peagle_plugin.data.layout import VLLM_LOG_FILE
+from speculators_peagle_plugin.datagen.build import generate_data
+from speculators_peagle_plugin.datagen.config import DataGenConfig
 from speculators_peagle_plugin.engine import engine_start, vllm_client
 from speculators_peagle_plugin.engine.engine_start import (
     check_parallel_size,

@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.demo import pipeline as demo
-from speculators_peagle_plugin.engine import reference
 from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 from speculators_peagle_plugin.evaluation import harness, report
 from speculators_peagle_plugin.evaluation.cells import CELLS_FILE
@@ -65,7 +64,7 @@ def fake(monkeypatch, tmp_path):
         harness, "_check_drafts", lambda config, echo: {d: [] for d in config.drafts}
     )
     monkeypatch.setattr(report, "write_plots", lambda record, out_dir: [])
-    monkeypatch.setattr(reference, "stop_token_ids", lambda *a: set())
+    monkeypatch.setattr(harness, "stop_token_ids", lambda *a: set())
     monkeypatch.setattr(harness.time, "sleep", lambda s: None)
     # the engines take turns wherever the test says so, GPU or not
     monkeypatch.setattr(EvalConfig, "resolved_interleave", lambda self: self.interleave)

@@ -247,11 +247,10 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
     engine has its own worker, which quits after its last piece; the merged cells equal the
     same cells decoded whole, one engine after another (--no-interleave). Before its turn an
     engine waits out the previous one's busy polling."""
-    from speculators_peagle_plugin.engine import reference
     from speculators_peagle_plugin.evaluation import harness
 
     monkeypatch.setattr(harness, "VllmWorker", FakeWorker)
-    monkeypatch.setattr(reference, "stop_token_ids", lambda *a: set())
+    monkeypatch.setattr(harness, "stop_token_ids", lambda *a: set())
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "draft").mkdir()
     rng = random.Random(seed)

@@ -25,11 +25,11 @@ from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.common.files import atomic_write
-from speculators_peagle_plugin.data import build, capture_hidden_states, capture_vllm
-from speculators_peagle_plugin.data.capture import pending_rows
-from speculators_peagle_plugin.data.capture_vllm import RECORDED_DIR
-from speculators_peagle_plugin.data.generation import Target
-from speculators_peagle_plugin.data.vllm_recorder import (
+from speculators_peagle_plugin.datagen import build, capture_vllm
+from speculators_peagle_plugin.datagen.capture import capture_hidden_states, pending_rows
+from speculators_peagle_plugin.datagen.capture_vllm import RECORDED_DIR
+from speculators_peagle_plugin.datagen.generation import Target
+from speculators_peagle_plugin.datagen.vllm_recorder import (
     FIRST_COMPUTED_KEY,
     RECORDER,
     HiddenStatesRecorder,
@@ -203,7 +203,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
             error = {"error": "no layers to hook"} if job.extension else None
             return {"extension": error}
 
-    from speculators_peagle_plugin.data.config import DataGenConfig
+    from speculators_peagle_plugin.datagen.config import DataGenConfig
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")

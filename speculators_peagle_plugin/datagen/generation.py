@@ -21,16 +21,13 @@ import torch
 
 from ..common.dtypes import DTYPES
 from ..common.files import atomic_write_json
+from ..data.layout import RESPONSES_DIR, VLLM_LOG_FILE, mix_seed
+from ..data.prompts import render_conversation
+from ..engine.engine_start import check_parallel_size
+from ..engine.vllm_client import VllmJob, VllmWorker
 from ..model.target import eos_token_ids, load_target_model
-from .config import (
-    RESPONSES_DIR,
-    VLLM_BATCHES_PER_SHARD,
-    VLLM_LOG_FILE,
-    VLLM_SHARDS_PER_JOB,
-    DataGenConfig,
-    mix_seed,
-)
-from .prompts import render_conversation
+from .config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
+from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +37,6 @@ class Target:
 
     def __init__(self, config: DataGenConfig):
         from transformers import AutoTokenizer
-
-        from ..engine.engine_start import check_parallel_size
 
         self.config = config
         if "vllm" in (config.backend, config.capture_backend):
@@ -74,8 +69,6 @@ class Target:
         if self.config.backend != "vllm":
             yield
             return
-        from ..engine.vllm_client import VllmWorker
-
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.
         in_process = self.config.tensor_parallel_size == 1  # several ranks need processes
@@ -115,9 +108,6 @@ class Target:
 
         cfg = self.config
         if self.vllm is not None:
-            from ..engine.vllm_client import VllmJob
-            from .vllm_recorder import recording_extension
-
             record = record if self.record_error is None else None
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
