@@ -36,7 +36,7 @@ class WorkerExtension:
     None or one sentence saying why this engine cannot run the extension (then ``stop``
     runs on the ranks that did start, and the job runs without it); ``stop`` returns a JSON
     object per rank, rank 0's of which is the job's result's ``"extension"``. The layer that
-    owns an extension defines its instance (e.g. the hidden-state recorder of ``datagen``).
+    owns an extension defines its instance (e.g. a recorder of hidden states).
 
     Args:
         cls: the extension's import path, ``module.Class`` (vLLM imports it in its worker).
