@@ -187,9 +187,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
+    from speculators_peagle_plugin.engine.vllm_client import VllmJob
+    from speculators_peagle_plugin.engine.vllm_worker import Worker
     from speculators_peagle_plugin.evaluation.report import provenance
-    from speculators_peagle_plugin.serving.vllm_client import VllmJob
-    from speculators_peagle_plugin.serving.vllm_worker import Worker
 
     _install_timers()
     args.target = str(Path(args.target).expanduser().resolve())

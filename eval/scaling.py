@@ -179,13 +179,13 @@ def prefix_data(data: Path, rows: int, out: Path, draft_vocab_size: int) -> Path
     from datasets import load_from_disk
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
-    from speculators_peagle_plugin.data.config import (
+    from speculators_peagle_plugin.data.dataset import open_training_data
+    from speculators_peagle_plugin.data.layout import (
         HIDDEN_STATES_DIR,
         SETTINGS_FILE,
         TOKEN_FREQ_FILE,
         hs_path,
     )
-    from speculators_peagle_plugin.data.dataset import open_training_data
 
     marker = {"source": str(data.resolve()), "rows": rows, "draft_vocab_size": draft_vocab_size}
     done = out / PREFIX_FILE

@@ -10,10 +10,19 @@ from typing import get_args, get_type_hints
 
 import click
 
-from .data.config import DataGenConfig
+from .datagen.build import generate_data as run_generation
+from .datagen.config import DataGenConfig
+from .demo.config import QUICK, DemoConfig
+from .demo.pipeline import quick_config, run_demo
+from .engine.vllm_client import EngineError
 from .evaluation.config import EvalConfig
+from .evaluation.harness import evaluate
+from .serving.check import DEVICES, check_checkpoint
+from .serving.export import export_checkpoint
 from .training.algorithm import discover_algorithms
 from .training.config import TrainConfig
+from .training.loop import train as run_training
+from .training.progress import TrainingInterrupted
 
 
 @click.group()
@@ -96,9 +105,6 @@ def generate_data(**flags) -> None:
     """Regenerate replies with the target and write speculators-format training data."""
     import logging
 
-    from .data.build import generate_data as run_generation
-    from .serving.vllm_client import EngineError
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         data = run_generation(config_from_flags(DataGenConfig, flags))
@@ -174,10 +180,6 @@ def train(config_file: str | None, **flags) -> None:
     """Train a draft with the selected algorithm (--algorithm, default peagle)."""
     import logging
 
-    from .serving.vllm_client import EngineError
-    from .training.loop import train as run_training
-    from .training.progress import TrainingInterrupted
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         config = build_train_config(config_file, flags)
@@ -193,8 +195,6 @@ def train(config_file: str | None, **flags) -> None:
 
 def _serving_devices() -> click.Choice:
     """The devices check and export accept (the checker's own list)."""
-    from .serving.check import DEVICES
-
     return click.Choice(DEVICES)
 
 
@@ -208,8 +208,6 @@ def check(
     checkpoint: str, target: str | None, num_speculative_tokens: int | None, device: str | None
 ) -> None:
     """List every way vLLM would reject or mis-serve CHECKPOINT, each with its fix."""
-    from .serving.check import check_checkpoint
-
     try:
         findings = check_checkpoint(
             checkpoint, target, num_speculative_tokens=num_speculative_tokens, device=device
@@ -237,8 +235,6 @@ def check(
 def export(checkpoint: str, output: str, target: str | None, mask_token_id: int | None,
            num_speculative_tokens: int | None, device: str | None) -> None:  # fmt: skip
     """Write a fixed copy of CHECKPOINT to OUTPUT where every fix is mechanical."""
-    from .serving.export import export_checkpoint
-
     try:
         fixed, remaining = export_checkpoint(
             checkpoint, output, target, mask_token_id=mask_token_id,
@@ -257,8 +253,6 @@ def export(checkpoint: str, output: str, target: str | None, mask_token_id: int 
 @config_flags(EvalConfig)
 def eval_command(**flags) -> None:
     """Acceptance, speed and the K to serve per concurrency, in vLLM's parallel drafting."""
-    from .evaluation.harness import evaluate
-
     try:
         config = config_from_flags(EvalConfig, flags)
         evaluate(config, argv=sys.argv, echo=click.echo)
@@ -268,8 +262,6 @@ def eval_command(**flags) -> None:
 
 def _demo_run_dirs() -> str:
     """The demo's --run-dir defaults, read from its config (where they live)."""
-    from .demo.config import QUICK, DemoConfig
-
     return f"{DemoConfig.run_dir}, {QUICK['run_dir']} with --quick"
 
 
@@ -283,8 +275,6 @@ def _demo_run_dirs() -> str:
               help="A recipe YAML of demo settings (configs/recipes/).")  # fmt: skip
 def demo(run_dir: str | None, train_config: str | None, quick: bool, recipe: str | None) -> None:
     """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
-    from .demo.pipeline import DemoConfig, quick_config, run_demo
-
     values = {k: v for k, v in (("run_dir", run_dir), ("train_config", train_config)) if v}
     try:
         if quick and recipe:

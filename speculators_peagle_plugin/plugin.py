@@ -10,12 +10,11 @@ import torch
 
 from .model.build import build_peagle_draft
 from .training.algorithm import Algorithm
+from .training.peagle_trainer import PEagleTrainerModule
 
 
 def build_peagle_trainer(draft, config, *, mask_token_id):
     """:class:`PEagleTrainerModule` over ``draft`` with the config's COD knobs."""
-    from .training.peagle_trainer import PEagleTrainerModule
-
     cod = config.cod
     vocab = draft.embed_tokens.num_embeddings
     if draft.d2t is not None:  # d2t holds offsets: target id = draft id + d2t[draft id]

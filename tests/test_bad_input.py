@@ -17,8 +17,8 @@ from helpers.training import DRAFT_VOCAB, run_cli, train_args
 from tiny import tiny_workdir
 
 from speculators_peagle_plugin.common.lock import LOCK_FILE, DirectoryLocked, exclusive_directory
-from speculators_peagle_plugin.data.config import SETTINGS_FILE
 from speculators_peagle_plugin.data.dataset import TrainingData
+from speculators_peagle_plugin.data.layout import SETTINGS_FILE
 from speculators_peagle_plugin.training.checkpoint import STATE_FILE, checkpoint_dirs
 
 REPO = Path(__file__).parent.parent

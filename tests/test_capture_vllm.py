@@ -21,12 +21,15 @@ from tiny_vllm import LAYER_IDS, PROMPTS
 from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import build, capture_hidden_states, open_training_data
-from speculators_peagle_plugin.data import generation as gen_mod
-from speculators_peagle_plugin.data.build import generate_replies
-from speculators_peagle_plugin.data.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
-from speculators_peagle_plugin.data.config import SETTINGS_FILE, DataGenConfig
-from speculators_peagle_plugin.data.generation import Target
+from speculators_peagle_plugin.data import open_training_data
+from speculators_peagle_plugin.data.layout import SETTINGS_FILE
+from speculators_peagle_plugin.datagen import build
+from speculators_peagle_plugin.datagen import generation as gen_mod
+from speculators_peagle_plugin.datagen.build import generate_replies
+from speculators_peagle_plugin.datagen.capture import capture_hidden_states
+from speculators_peagle_plugin.datagen.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
+from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.datagen.generation import Target
 
 pytestmark = pytest.mark.slow
 

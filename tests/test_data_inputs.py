@@ -13,9 +13,10 @@ from datasets import Dataset, load_from_disk
 from helpers.chat_target import PROMPT_ROWS, gen_args, tiny_chat_target, write_prompt_rows
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data import DataGenConfig, load_prompts
-from speculators_peagle_plugin.data import generation as gen_mod
+from speculators_peagle_plugin.data import load_prompts
 from speculators_peagle_plugin.data.prompts import load_prompt_set, resolved_spec
+from speculators_peagle_plugin.datagen import generation as gen_mod
+from speculators_peagle_plugin.datagen.config import DataGenConfig
 
 
 @pytest.fixture(scope="module")

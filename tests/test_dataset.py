@@ -28,7 +28,7 @@ from speculators.train.vocab_mapping import (
 from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.data import DataError, PackedBatches, open_training_data, pack_rows
-from speculators_peagle_plugin.data.config import SETTINGS_FILE
+from speculators_peagle_plugin.data.layout import SETTINGS_FILE
 from speculators_peagle_plugin.training.prefetch import RowsAhead
 
 # ---------------------------------------------------------------------------------------------

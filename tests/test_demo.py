@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.demo import pipeline as demo
-from speculators_peagle_plugin.demo import smollm2 as models
 
 # ----------------------------------------------------------------- pipeline.py stages
 
@@ -164,7 +163,7 @@ def fake_pipeline(monkeypatch, tmp_path):
     target.mkdir()
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_text("w")
-    monkeypatch.setattr(models, "materialise_smollm2", lambda: target)
+    monkeypatch.setattr(demo, "materialise_smollm2", lambda: target)
     built = []
 
     def untrained(train_config, output):

@@ -19,10 +19,11 @@ from helpers.chat_target import gen_args, write_prompt_rows
 from tiny_vllm import tiny_vllm_draft
 
 from speculators_peagle_plugin.cli import main
-from speculators_peagle_plugin.data.build import generate_data
-from speculators_peagle_plugin.data.config import VLLM_LOG_FILE, DataGenConfig
-from speculators_peagle_plugin.serving import engine_start, vllm_client
-from speculators_peagle_plugin.serving.engine_start import (
+from speculators_peagle_plugin.data.layout import VLLM_LOG_FILE
+from speculators_peagle_plugin.datagen.build import generate_data
+from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.engine import engine_start, vllm_client
+from speculators_peagle_plugin.engine.engine_start import (
     check_parallel_size,
     engine_failure_cause,
     failure_advice,
@@ -175,7 +176,7 @@ def test_ignored_exceptions_and_pointers_are_no_cause(log):
 
 def test_the_recursion_advice_names_the_plugin_that_prevents_it():
     advice = failure_advice(STACK_OVERFLOW)
-    assert "speculators_peagle_plugin.serving.vllm_plugin" in advice
+    assert "speculators_peagle_plugin.engine.vllm_plugin" in advice
 
 
 # ------------------------------------------------------------------ a worker that dies at start

@@ -13,11 +13,10 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.demo import pipeline as demo
+from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 from speculators_peagle_plugin.evaluation import harness, report
 from speculators_peagle_plugin.evaluation.cells import CELLS_FILE
 from speculators_peagle_plugin.evaluation.config import EvalConfig
-from speculators_peagle_plugin.serving import reference
-from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
 
 SETS = ("chat[:2]", "chat[2:5]")  # 2 and 3 prompts
 
@@ -65,7 +64,7 @@ def fake(monkeypatch, tmp_path):
         harness, "_check_drafts", lambda config, echo: {d: [] for d in config.drafts}
     )
     monkeypatch.setattr(report, "write_plots", lambda record, out_dir: [])
-    monkeypatch.setattr(reference, "stop_token_ids", lambda *a: set())
+    monkeypatch.setattr(harness, "stop_token_ids", lambda *a: set())
     monkeypatch.setattr(harness.time, "sleep", lambda s: None)
     # the engines take turns wherever the test says so, GPU or not
     monkeypatch.setattr(EvalConfig, "resolved_interleave", lambda self: self.interleave)

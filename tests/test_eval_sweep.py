@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from speculators_peagle_plugin.data.prompts import load_prompt_set
+from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
+from speculators_peagle_plugin.engine.inflight import drive
 from speculators_peagle_plugin.evaluation.config import CPU_KV_CACHE_GB, EvalConfig
 from speculators_peagle_plugin.evaluation.harness import per_category
 from speculators_peagle_plugin.evaluation.plots import write_plots
 from speculators_peagle_plugin.evaluation.recommend import format_recommendation, recommend
 from speculators_peagle_plugin.evaluation.report import compare_with_baseline, summarize
-from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
-from speculators_peagle_plugin.serving.inflight import drive
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -248,10 +248,9 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
     same cells decoded whole, one engine after another (--no-interleave). Before its turn an
     engine waits out the previous one's busy polling."""
     from speculators_peagle_plugin.evaluation import harness
-    from speculators_peagle_plugin.serving import reference
 
     monkeypatch.setattr(harness, "VllmWorker", FakeWorker)
-    monkeypatch.setattr(reference, "stop_token_ids", lambda *a: set())
+    monkeypatch.setattr(harness, "stop_token_ids", lambda *a: set())
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "draft").mkdir()
     rng = random.Random(seed)

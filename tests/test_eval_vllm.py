@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
+from speculators_peagle_plugin.engine.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.engine.vllm_client import VllmJob, VllmWorker
 from speculators_peagle_plugin.evaluation.report import summarize
 from speculators_peagle_plugin.serving.check import CPU_HEAD_DIMS
-from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
-from speculators_peagle_plugin.serving.vllm_client import VllmJob, VllmWorker
 
 K = 3
 

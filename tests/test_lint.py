@@ -18,9 +18,9 @@ from tiny_vllm import (
 )
 
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.engine.reference import ReferenceRuntime
 from speculators_peagle_plugin.serving.check import check_checkpoint
 from speculators_peagle_plugin.serving.export import export_checkpoint
-from speculators_peagle_plugin.serving.reference import ReferenceRuntime
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from helpers.training import DRAFT_VOCAB, config_for, reference_step, run_cli, t
 from safetensors.torch import load_file
 from tiny import tiny_workdir
 
-from speculators_peagle_plugin.data import build as build_mod
-from speculators_peagle_plugin.data.online import CACHE_DIR, CACHE_KEY_FILE
+from speculators_peagle_plugin.datagen import build as build_mod
+from speculators_peagle_plugin.datagen.online import CACHE_DIR, CACHE_KEY_FILE
 from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.online import REPLIES_DIR

@@ -25,12 +25,19 @@ from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.common.files import atomic_write
-from speculators_peagle_plugin.data import build, capture_hidden_states, capture_vllm
-from speculators_peagle_plugin.data.capture import pending_rows
-from speculators_peagle_plugin.data.capture_vllm import RECORDED_DIR
-from speculators_peagle_plugin.data.generation import Target
-from speculators_peagle_plugin.data.vllm_recorder import FIRST_COMPUTED_KEY, _Recording
-from speculators_peagle_plugin.serving.vllm_worker import _start_recording
+from speculators_peagle_plugin.datagen import build, capture_vllm
+from speculators_peagle_plugin.datagen.capture import capture_hidden_states, pending_rows
+from speculators_peagle_plugin.datagen.capture_vllm import RECORDED_DIR
+from speculators_peagle_plugin.datagen.generation import Target
+from speculators_peagle_plugin.datagen.vllm_recorder import (
+    FIRST_COMPUTED_KEY,
+    RECORDER,
+    HiddenStatesRecorder,
+    _Recording,
+    recording_extension,
+)
+from speculators_peagle_plugin.engine.vllm_client import VllmJob
+from speculators_peagle_plugin.engine.vllm_worker import _start_extension
 
 pytestmark = pytest.mark.slow
 
@@ -166,13 +173,22 @@ class FakeLLM:
 
 def test_an_engine_that_cannot_record_says_why_and_generates():
     llm = FakeLLM([None, "the engine caches prefixes"])
-    assert _start_recording(llm, {"dir": "d", "layer_ids": [1]}) == {
-        "error": "the engine caches prefixes"
-    }
+    recording = recording_extension({"dir": "d", "layer_ids": [1]})
+    assert _start_extension(llm, recording) == {"error": "the engine caches prefixes"}
     assert llm.calls == ["start_recording", "stop_recording"]
     llm = FakeLLM([None, None])
-    assert _start_recording(llm, {"dir": "d", "layer_ids": [1]}) is None
-    assert _start_recording(llm, {}) is None and llm.calls == ["start_recording"]
+    assert _start_extension(llm, recording) is None
+    assert _start_extension(llm, None) is None and llm.calls == ["start_recording"]
+
+
+def test_a_job_carries_its_worker_extension_through_the_protocol():
+    recording = recording_extension({"dir": "d", "layer_ids": [1, 4]})
+    assert recording.cls == RECORDER and hasattr(HiddenStatesRecorder, recording.start)
+    assert hasattr(HiddenStatesRecorder, recording.stop)
+    job = VllmJob(target="t", prompts=[[1]], max_tokens=1, batch_size=1, extension=recording)
+    assert VllmJob.from_json(json.loads(json.dumps(job.to_json()))) == job
+    plain = VllmJob(target="t", prompts=[[1]], max_tokens=1, batch_size=1)
+    assert VllmJob.from_json(json.loads(json.dumps(plain.to_json()))) == plain
 
 
 def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_path, caplog):
@@ -184,10 +200,10 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
             self.jobs.append(job)
             for j in range(len(job.prompts)):
                 on_event({"event": "progress", "index": j, "token_ids": [5, 2]})
-            error = {"error": "no layers to hook"} if job.record_hidden_states else None
-            return {"recording": error}
+            error = {"error": "no layers to hook"} if job.extension else None
+            return {"extension": error}
 
-    from speculators_peagle_plugin.data.config import DataGenConfig
+    from speculators_peagle_plugin.datagen.config import DataGenConfig
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
@@ -204,11 +220,9 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
             model.generate([[1, 2, 3]], [9], lambda j, r: replies.append((j, r)), None, record)
     assert replies == [(0, [5, 2])] * 2
     first, second = model.vllm.jobs
-    assert first.record_hidden_states == record and first.prefix_caching
+    assert first.extension == recording_extension(record) and first.prefix_caching
     assert first.seeds is None  # greedy: no request needs a seed (nor whole prefills on CPU)
-    assert "worker_extension_cls" in first.engine_overrides
-    assert second.record_hidden_states == {}  # asked once only
-    assert "worker_extension_cls" not in second.engine_overrides
+    assert second.extension is None  # asked once only
     assert sum("could not record" in r.message for r in caplog.records) == 1
 
 

@@ -17,7 +17,7 @@ from tiny_vllm import (
 )
 from transformers import LlamaForCausalLM
 
-from speculators_peagle_plugin.serving.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.engine.reference import ReferenceRuntime, stop_token_ids
 
 
 def chat_prompts(n=4, offset=0):

@@ -140,7 +140,7 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_estimate(
 def test_falls_back_to_transformers_with_one_log_line(
     target_dir, prompts_path, tmp_path, monkeypatch, caplog
 ):
-    from speculators_peagle_plugin.data import build
+    from speculators_peagle_plugin.datagen import build
 
     def cannot(*args):
         raise RuntimeError("vLLM could not run the job: NotImplementedError: no such backend")

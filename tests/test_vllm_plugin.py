@@ -95,10 +95,24 @@ def test_without_the_plugin_the_destructor_recurses_and_leaks_the_handle():
         assert "stack overflow" in done.stderr or "Recursion" in done.stderr
 
 
+def test_pyproject_declares_the_plugin_at_its_module():
+    """The declaration itself (the installed entry points change only on reinstalling)."""
+    import tomllib
+    from pathlib import Path
+
+    from speculators_peagle_plugin.engine import vllm_plugin
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    (value,) = [v for v in declared.values() if v.startswith("speculators_peagle_plugin")]
+    module, _, name = value.partition(":")
+    assert module == vllm_plugin.__name__ and callable(getattr(vllm_plugin, name))
+
+
 def test_the_plugin_is_a_vllm_general_plugin():
     from importlib.metadata import entry_points
 
-    from speculators_peagle_plugin.serving.vllm_plugin import register
+    from speculators_peagle_plugin.engine.vllm_plugin import register
 
     (plugin,) = [
         e for e in entry_points(group="vllm.general_plugins")

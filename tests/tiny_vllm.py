@@ -232,7 +232,7 @@ def trained_target_and_draft(
 
     Built once per ``root`` (tests pass a session-wide directory) and reused after.
     """
-    from speculators_peagle_plugin.serving.reference import ReferenceRuntime
+    from speculators_peagle_plugin.engine.reference import ReferenceRuntime
 
     root = Path(root)
     done = root / "prompts.json"  # written last: its presence means the rest is complete

@@ -1,31 +1,25 @@
-"""Training data: prompt sets, generate-data (replies + hidden states), reading and packing.
+"""Reading training data: its layout, opening and checking it, the draft vocabulary, packing,
+what its hidden states cost on disk, and the prompt sets it is made from.
 
-Modules: ``prompts`` (prompt sets, chat rendering), ``config`` (on-disk layout,
-``DataGenConfig``), ``generation`` (the target's replies), ``capture`` (hidden states with
-transformers), ``capture_vllm`` + ``vllm_connector`` (with vLLM), ``storage`` (disk estimate,
-the 8-bit format), ``build`` (``generate_data``), ``dataset`` (opening and checking data),
-``packing``.
+Modules: ``layout`` (the on-disk layout, ``DataError``), ``dataset`` (opening and checking
+data), ``vocab`` (the ``d2t``/``t2d`` mapping), ``packing``, ``storage`` (disk estimate, the
+8-bit format), ``prompts`` (prompt sets, chat rendering), ``contamination`` (the held-out
+guard). Making data (replies, hidden states, ``generate-data``, online states) is
+:mod:`..datagen`'s.
 """
 
-from .build import generate_data
-from .capture import capture_hidden_states
-from .config import BACKENDS, DataGenConfig, default_target_layer_ids, hs_path
-from .dataset import DataError, TrainingData, open_training_data
-from .generation import completion_tokens
+from .dataset import HiddenStatesSource, TrainingData, open_training_data
+from .layout import DataError, default_target_layer_ids, hs_path
 from .packing import PackedBatches, pack_rows
 from .prompts import PromptSet, load_prompt_set, load_prompts, render_conversation, render_prompts
 
 __all__ = [
-    "BACKENDS",
     "DataError",
-    "DataGenConfig",
+    "HiddenStatesSource",
     "PackedBatches",
     "PromptSet",
     "TrainingData",
-    "capture_hidden_states",
-    "completion_tokens",
     "default_target_layer_ids",
-    "generate_data",
     "hs_path",
     "load_prompt_set",
     "load_prompts",

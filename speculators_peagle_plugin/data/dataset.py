@@ -1,6 +1,7 @@
-"""Reading speculators-format training data: open it, check it, and map the draft vocabulary.
+"""Reading speculators-format training data: open it and check it.
 
-The layout is described in :mod:`.config`. Works unchanged on ``generate-data``'s output and on
+The layout is described in :mod:`.layout`, the draft vocabulary's mapping in :mod:`.vocab`.
+Works unchanged on ``generate-data``'s output and on
 data made by ``speculators prepare-data`` with hidden states from vLLM.
 """
 
@@ -9,32 +10,36 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from ..common.files import atomic_write
-from ..common.reading import load_plain_torch, read_json
-from ..core.config import check_int_at_least
-from .config import HIDDEN_STATES_DIR, SETTINGS_FILE, TOKEN_FREQ_FILE, hs_path
+from ..common.reading import read_json
+from .layout import HIDDEN_STATES_DIR, SETTINGS_FILE, DataError, hs_path
+from .vocab import check_vocab_mapping, vocab_mapping
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .online import OnlineHiddenStates
 
+class HiddenStatesSource(Protocol):
+    """Where the hidden states come from when the target computes them as samples are read
+    (``datagen``'s ``OnlineHiddenStates``): hs_connectors' transfer call, answered per row.
 
-class DataError(ValueError):
-    """Training data that cannot be used as it is; the message names the file or setting."""
+    ``get_cached(i)`` gives row ``i``'s ``{"hidden_states": [seq, n_aux+1, H],
+    "token_ids": [seq]}`` for the layers ``layer_ids``; :meth:`attach` hands it the rows
+    (``rows[i]["input_ids"]``) and their lengths once the dataset is open.
+    """
 
+    hidden_size: int
+    vocab_size: int
+    num_aux_layers: int
+    layer_ids: tuple[int, ...]
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as fh:  # a file object: np.save would append ".npy" to a name
-            np.save(fh, array)
+    def attach(self, rows, lengths: list[int]) -> None: ...
 
-    atomic_write(path, write)
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]: ...
 
 
 def _sample_problem(loaded: dict, input_ids: torch.Tensor, shape_tail: tuple[int, int]) -> str:
@@ -77,7 +82,7 @@ def _checked_arrow_dataset_class():
         def _get_raw_data(self, index: int) -> dict:
             file_idx = self._map_to_file_idx(index)
             hs_dir = getattr(self.transfer, "hidden_states_path", None)
-            if hs_dir is None:  # online: the target computes them (data/online.py)
+            if hs_dir is None:  # online: the target computes them (datagen/online.py)
                 loaded = self.transfer.get_cached(file_idx)
                 what = f"The target's hidden-state sample of row {file_idx}"
             else:
@@ -133,7 +138,7 @@ class TrainingData:
     num_loss_tokens: int
     lengths: list[int]
     settings: dict | None
-    online: OnlineHiddenStates | None = None
+    online: HiddenStatesSource | None = None
     aux_layer_ids: tuple[int, ...] | None = None
 
     @property
@@ -164,86 +169,17 @@ class TrainingData:
 
     def check_vocab_mapping(self, draft_vocab_size: int) -> None:
         """Raise DataError unless :meth:`vocab_mapping` can give this size (builds nothing)."""
-        check_int_at_least("draft_vocab_size", draft_vocab_size, 1)
-        d2t_path = self.path / f"d2t-{draft_vocab_size}.npy"
-        if d2t_path.exists() and d2t_path.with_name(f"t2d-{draft_vocab_size}.npy").exists():
-            self.vocab_mapping(draft_vocab_size)  # loads and checks the two files
-        elif not (self.path / TOKEN_FREQ_FILE).exists():
-            raise DataError(
-                f"{self.path} has neither d2t-{draft_vocab_size}.npy/t2d-{draft_vocab_size}.npy "
-                f"nor {TOKEN_FREQ_FILE} to build a {draft_vocab_size}-token draft vocabulary from."
-            )
+        check_vocab_mapping(self.path, draft_vocab_size)
 
     def vocab_mapping(
         self, draft_vocab_size: int, target_vocab_size: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(d2t, t2d)`` for a draft vocabulary of ``draft_vocab_size`` tokens.
-
-        Loads ``d2t-<V>.npy``/``t2d-<V>.npy``; when missing, builds them from ``token_freq.pt``
-        with speculators' ``build_vocab_mappings_from_distribution`` (most frequent supervised
-        tokens) and caches them, as ``speculators train`` does. ``d2t: [V]`` int64 OFFSETS
-        (``target_id = draft_id + d2t[draft_id]``), ``t2d: [target_vocab]`` bool.
-        ``target_vocab_size`` is needed only to build, when the data does not record it.
-        Example: draft ids -> target ids [0, 3, 4] gives d2t [0, 2, 2].
-        """
-        check_int_at_least("draft_vocab_size", draft_vocab_size, 1)
-        d2t_path = self.path / f"d2t-{draft_vocab_size}.npy"
-        t2d_path = self.path / f"t2d-{draft_vocab_size}.npy"
-        if d2t_path.exists() and t2d_path.exists():
-            try:
-                d2t = torch.from_numpy(np.load(d2t_path))
-                t2d = torch.from_numpy(np.load(t2d_path))
-            except (OSError, ValueError) as err:
-                msg = f"Vocab mapping {d2t_path} or {t2d_path} is unreadable ({err})."
-                raise DataError(msg) from err
-            _check_vocab_mapping(d2t, t2d, draft_vocab_size, d2t_path)
-            return d2t, t2d
-        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-        freq_path = self.path / TOKEN_FREQ_FILE
-        if not freq_path.exists():
-            raise DataError(
-                f"{self.path} has neither {d2t_path.name}/{t2d_path.name} nor {TOKEN_FREQ_FILE} "
-                f"to build a {draft_vocab_size}-token draft vocabulary from."
-            )
-        target_vocab_size = target_vocab_size or self._recorded_target_vocab_size()
-        if target_vocab_size is None:
-            raise DataError(
-                f"Building {d2t_path.name} from {freq_path} needs the target's vocabulary size, "
-                "which this data does not record; pass target_vocab_size."
-            )
-        if draft_vocab_size > target_vocab_size:
-            raise DataError(
-                f"draft_vocab_size {draft_vocab_size} exceeds the target's vocabulary size "
-                f"{target_vocab_size}."
-            )
-        freq = load_plain_torch(freq_path, "a token frequency file")
-        d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
-        _save_npy(d2t_path, d2t.numpy())
-        _save_npy(t2d_path, t2d.numpy())
-        return d2t, t2d
-
-    def _recorded_target_vocab_size(self) -> int | None:
-        if self.settings is not None:
-            return self.settings["target_vocab_size"]
-        for t2d_path in sorted(self.path.glob("t2d-*.npy")):
-            return int(np.load(t2d_path, mmap_mode="r").shape[0])
-        return None
-
-
-def _check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, size: int, path: Path) -> None:
-    ok = d2t.shape == (size,) and t2d.dim() == 1 and t2d.dtype == torch.bool
-    if ok:
-        target_ids = torch.arange(size) + d2t
-        ok = int(t2d.sum()) == size and bool(
-            ((target_ids >= 0) & (target_ids < t2d.shape[0])).all()
-        )
-        ok = ok and bool(t2d[target_ids].all())
-    if not ok:
-        raise DataError(
-            f"Vocab mapping {path} and its t2d file do not describe a {size}-token draft "
-            "vocabulary (d2t offsets must select exactly the ids t2d marks)."
-        )
+        """``(d2t, t2d)`` for a draft vocabulary of ``draft_vocab_size`` tokens
+        (:func:`~.vocab.vocab_mapping`); ``target_vocab_size`` defaults to the one the
+        data records."""
+        if target_vocab_size is None and self.settings is not None:
+            target_vocab_size = self.settings["target_vocab_size"]
+        return vocab_mapping(self.path, draft_vocab_size, target_vocab_size)
 
 
 def _hidden_states_shape(path: Path) -> list[int]:
@@ -382,7 +318,7 @@ def open_training_data(
     verifier_hidden_size: int | None = None,
     num_aux_layers: int | None = None,
     aux_layer_ids: Sequence[int] | None = None,
-    online: OnlineHiddenStates | None = None,
+    online: HiddenStatesSource | None = None,
 ) -> TrainingData:
     """Open a speculators data directory for training, checking what can be checked cheaply.
 
@@ -397,7 +333,7 @@ def open_training_data(
     every sample's last slot; see :func:`_aux_slots`). Data that records no layer ids gives
     its stored ones, whose count must match.
 
-    With ``online`` (:class:`~.online.OnlineHiddenStates`) the hidden states come from the
+    With ``online`` (a :class:`HiddenStatesSource`) the hidden states come from the
     target as each sample is read, and the directory needs only the token ids (its
     ``hidden_states/``, if any, is not read); every token id must be in the target's
     vocabulary.

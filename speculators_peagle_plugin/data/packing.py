@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.config import check_int_at_least
-from .config import mix_seed
+from .layout import mix_seed
 
 if TYPE_CHECKING:
     from .dataset import TrainingData

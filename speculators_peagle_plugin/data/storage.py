@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..common.dtypes import DTYPES
+from .prompts import render_conversation
 
 FLOAT8 = "float8"  # --hidden-states-dtype value of the 8-bit format
 # the vLLM connector's kv_connector_extra_config key: a DTYPES name or FLOAT8
@@ -125,8 +126,6 @@ def stored_tensors(hidden_states: torch.Tensor, token_ids: torch.Tensor, storage
 def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
     """Per conversation, the rendered length of its user turns up to each user turn (the
     replies that precede a turn are counted by :func:`token_bound`)."""
-    from .prompts import render_conversation
-
     lengths = []
     for turns in conversations:
         users = [t for t in turns if t["role"] == "user"]

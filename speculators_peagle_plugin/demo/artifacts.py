@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
+from ..data.prompts import load_prompt_set
+from ..training.loop import build_training
 
 __all__ = [
     "RunLayout",
@@ -51,8 +53,6 @@ def write_prompts(
     ``keep(conversation) -> bool``, if given, leaves out the conversations it rejects.
     Example: ("humaneval[0:120]", "chat[0:100]") -> 220 rows.
     """
-    from ..data.prompts import load_prompt_set
-
     rows = [c for spec in train_specs for c in load_prompt_set(spec).conversations]
     if keep is not None:
         rows = [c for c in rows if keep(c)]
@@ -72,8 +72,6 @@ def write_prompts(
 
 def save_untrained_draft(train_config, output: Path) -> None:
     """The draft ``train`` starts from (same builder, same seed), saved without training."""
-    from ..training.loop import build_training
-
     save_atomically(build_training(train_config).draft, output)
 
 

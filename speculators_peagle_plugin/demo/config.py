@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..common.dtypes import DTYPE_NAMES
+from ..common.reading import read_yaml_mapping
+from ..datagen.config import BACKENDS
+
 __all__ = ["DemoConfig", "QUICK", "quick_config"]
 
 
@@ -82,8 +86,6 @@ class DemoConfig:
             values = getattr(self, name)
             if not values or not all(isinstance(v, int) and v >= 1 for v in values):
                 raise ValueError(f"{name} must be integers >= 1, got {values!r}.")
-        from ..common.dtypes import DTYPE_NAMES
-        from ..data.config import BACKENDS
 
         if self.gen_backend not in BACKENDS:
             raise ValueError(
@@ -114,8 +116,6 @@ class DemoConfig:
         Example: ``configs/recipes/long_smollm2.yaml`` -> ShareGPT + MBPP prompts, validation,
         early stopping, MT-Bench's 80 questions in the eval.
         """
-        from ..common.reading import read_yaml_mapping
-
         path = Path(path)
         values = read_yaml_mapping(path)
         known = {f.name: f for f in fields(cls)}

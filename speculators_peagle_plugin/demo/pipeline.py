@@ -37,6 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..data.prompts import render_conversation
+from ..training.checkpoint import checkpoint_dirs
+from ..training.config import TrainConfig
+from ..training.validation import BEST_DIR
 from .artifacts import (
     RunLayout,
     has_weights,
@@ -46,6 +50,7 @@ from .artifacts import (
     write_prompts,
 )
 from .config import DemoConfig, quick_config
+from .smollm2 import materialise_smollm2
 from .stages import STATE_FILE, Stages
 from .summary import BUDGET_S, SUMMARY_FILE, acceptance_by_set, summarise
 
@@ -96,8 +101,6 @@ def _cpu_has_bfloat16() -> bool:
 
 
 def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
-    from ..training.config import TrainConfig
-
     validation = str(layout.validation_data) if config.validation_prompts else None
     return TrainConfig.from_sources(
         config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
@@ -112,8 +115,6 @@ def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
 
 
 def _target_stage(stages: Stages) -> Path:
-    from .smollm2 import materialise_smollm2
-
     return Path(stages.run(
         "target", {"model": "SmolLM2-135M-Instruct"},
         lambda: {"path": str(materialise_smollm2())},
@@ -126,8 +127,6 @@ def _prompt_filter(config: DemoConfig, target: Path):
     if config.max_prompt_tokens is None:
         return None
     from transformers import AutoTokenizer
-
-    from ..data.prompts import render_conversation
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     return lambda c: len(render_conversation(tokenizer, c)) <= config.max_prompt_tokens
@@ -186,8 +185,6 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
                  native_bf16: bool) -> str:  # fmt: skip
     """train; returns the directory of the checkpoint to serve: the final one, or with
     validation prompts the best one (``train/best``)."""
-    from ..training.checkpoint import checkpoint_dirs
-    from ..training.validation import BEST_DIR
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..common.files import atomic_write_text
+from ..evaluation.recommend import format_recommendation
+from ..evaluation.report import format_table
 from .artifacts import RunLayout
 from .config import DemoConfig
 from .stages import Stages
@@ -40,9 +42,6 @@ def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str
               wall_s: float, echo: Callable[[str], None]) -> dict:  # fmt: skip
     """Write ``RUN/demo.json`` from the eval's record and the stage times; print the table,
     the K to serve per concurrency and the times; returns the summary."""
-    from ..evaluation.recommend import format_recommendation
-    from ..evaluation.report import format_table
-
     record = json.loads(Path(outputs["record"]).read_text())
     seconds = stages.seconds()
     total = sum(seconds.values())

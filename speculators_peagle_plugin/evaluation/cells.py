@@ -35,7 +35,7 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..serving.vllm_client import VllmJob
+from ..engine.vllm_client import VllmJob
 
 __all__ = ["CELLS_FILE", "FinishedCells", "cell_key"]
 

@@ -83,12 +83,16 @@ class EvalConfig:
     )
     max_new_tokens: int = _opt(128, "Tokens decoded per request.")
     concurrency: tuple[int, ...] = _opt(
-        (1, 4, 16), "Requests in flight, or a comma-separated sweep: 1,4,16.", ints=True,
+        (1, 4, 16),
+        "Requests in flight, or a comma-separated sweep: 1,4,16.",
+        ints=True,
         show="1,4,16",
     )
     prompts_per_slot: int | None = _opt(
-        None, "At concurrency c, decode only the first N*c prompts of each set.",
-        flag="--prompts-per-slot", show="all prompts",
+        None,
+        "At concurrency c, decode only the first N*c prompts of each set.",
+        flag="--prompts-per-slot",
+        show="all prompts",
     )
     backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS)
     baseline: bool = _opt(

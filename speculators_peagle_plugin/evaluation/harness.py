@@ -7,9 +7,9 @@ serve per concurrency (:mod:`.recommend`), a JSON record with provenance and the
 figures (:mod:`.plots`) in ``output_dir`` (:mod:`.report`). Each finished cell is kept in
 ``output_dir/cells.jsonl`` as it ends, and a rerun into the same directory measures only the
 cells it lacks (:mod:`.cells`, :func:`resume_units`). vLLM runs out of process
-(:class:`~..serving.vllm_client.VllmWorker`), one engine per (draft, K) whose
+(:class:`~..engine.vllm_client.VllmWorker`), one engine per (draft, K) whose
 ``max_num_seqs`` is the largest concurrency; the worker keeps each cell's concurrency in
-flight itself (:func:`~..serving.inflight.drive`). On CPU the engines' concurrency-1 cells
+flight itself (:func:`~..engine.inflight.drive`). On CPU the engines' concurrency-1 cells
 take turns, one prompt each (:func:`plan_turns`). Acceptance figures are differences of
 vLLM's own spec-decode counters around a cell, per category from its per-request counts.
 
@@ -30,9 +30,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..common.dtypes import DTYPES
 from ..data.prompts import load_prompt_set, render_prompts
-from ..serving.counters import SpecDecodeCounters
-from ..serving.vllm_client import VllmJob, VllmWorker
+from ..engine.counters import SpecDecodeCounters
+from ..engine.reference import ReferenceRuntime, stop_token_ids
+from ..engine.vllm_client import VllmJob, VllmWorker
+from ..serving.check import check_checkpoint
 from .cells import CELLS_FILE, FinishedCells, cell_key
 from .config import EvalConfig
 from .report import finish_record, start_record, summarize
@@ -68,8 +71,6 @@ def evaluate(
 
 def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
     """Lint every draft against the target; errors raise, warnings are echoed and kept."""
-    from ..serving.check import check_checkpoint
-
     device = "any" if config.backend == "reference" else None
     kept = {}
     for draft in config.drafts:
@@ -157,9 +158,6 @@ def per_category(run: dict, prompt_sets) -> dict[str, dict] | None:
 
 @functools.lru_cache(maxsize=1)  # jobs come grouped by (draft, K): load each once
 def _reference_runtime(target: str, draft: str | None, k: int | None, dtype: str):
-    from ..common.dtypes import DTYPES
-    from ..serving.reference import ReferenceRuntime
-
     return ReferenceRuntime(target, draft, k, DTYPES[dtype])
 
 
@@ -323,8 +321,6 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
     planned, so an engine none of whose cells is missing is never started.
     """
     from tqdm import tqdm
-
-    from ..serving.reference import stop_token_ids
 
     stop_ids = stop_token_ids(config.target, tokenizer)
     engines = {_engine(j.engine) for j in jobs}

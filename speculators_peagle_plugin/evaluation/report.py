@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..common.files import atomic_write_text
-from ..serving.counters import SpecDecodeCounters
+from ..engine.counters import SpecDecodeCounters
 from .plots import write_plots
 from .recommend import format_recommendation, recommend
 

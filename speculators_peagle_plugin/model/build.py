@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .peagle_draft import PEagleDraftModel
+
 # speculators owns "peagle" in its model registry; ours is registered beside it.
 SPECULATORS_REGISTRY_NAME = "peagle_plugin"
 # speculators' defaults for a draft: its draft vocabulary and its layers' sliding window.
@@ -18,8 +20,6 @@ def register_with_speculators() -> str:
     an existing entry for our class (or a reloaded copy of it) is left or replaced.
     """
     from speculators.model import SpeculatorModel
-
-    from .peagle_draft import PEagleDraftModel
 
     registry = SpeculatorModel.registry or {}
     current = registry.get(SPECULATORS_REGISTRY_NAME)
@@ -43,8 +43,6 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
     """
     from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
     from speculators.train.cli import create_transformer_layer_config
-
-    from .peagle_draft import PEagleDraftModel
 
     register_with_speculators()
     num_layers = config.num_layers

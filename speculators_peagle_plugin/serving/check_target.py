@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..model.mask_token import mask_token_problem
 from .checkpoint import (
     CPU_HEAD_DIMS,
     Finding,
@@ -94,7 +95,6 @@ def _mask_token(config: dict, target: Path, tcfg) -> list[Finding]:
                 "Save the tokenizer with the target.",
             )
         ]
-    from ..model.mask_token import mask_token_problem
 
     problem = mask_token_problem(tokenizer, mask_id, tcfg.vocab_size)
     if not problem:

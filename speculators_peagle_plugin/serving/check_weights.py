@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.reading import first_line
+from ..model.peagle_draft import PEagleDraftModel
 from .checkpoint import (
     PREFIX,
     VERIFIER_ONLY,
@@ -89,8 +90,6 @@ def _as_exported(config: dict, shapes: dict) -> dict:
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Parameter shapes the config implies, from the draft class built on the meta device."""
     from speculators.models.peagle.config import PEagleSpeculatorConfig
-
-    from ..model.peagle_draft import PEagleDraftModel
 
     with torch.device("meta"):
         draft = PEagleDraftModel(PEagleSpeculatorConfig.from_dict(dict(config)))

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..common.files import atomic_directory
 from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
+from ..data.prompts import resolved_spec
 from .config import TrainConfig
 from .distributed import World, sharded
 
@@ -191,8 +192,6 @@ def _comparable(name: str, value):
     if name in PATH_FIELDS and value:
         return str(Path(value).resolve())
     if name == "prompts" and value:  # a prompt-set spec whose source may be a file
-        from ..data.prompts import resolved_spec
-
         return resolved_spec(value)
     return list(value) if isinstance(value, tuple) else value
 

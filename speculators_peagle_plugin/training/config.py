@@ -11,9 +11,9 @@ from ..common.dtypes import DTYPE_NAMES
 from ..common.flags import flag_field as _opt
 from ..common.reading import read_yaml_mapping
 from ..core.config import CODConfig, _fail, check_int_at_least
-from ..data.config import BACKENDS, DataGenConfig
-from ..data.online import CACHE_KINDS
 from ..data.prompts import prompt_source_exists
+from ..datagen.config import BACKENDS, DataGenConfig
+from ..datagen.online import CACHE_KINDS
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
 
 # Settings that do something only with --online, and only with --prompts.

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..data import PackedBatches, open_training_data
+from ..engine.reference import load_reference_draft
 from .algorithm import load_algorithm
 from .config import TrainConfig
 from .metrics import acceptance_length, depth_accuracy
@@ -41,9 +43,6 @@ def heldout_metrics(
         count-weighted training objective (KL and the config's loss terms), argmax accuracy
         per depth, the greedy-chain estimate from it, and the supervised elements per depth.
     """
-    from ..data import PackedBatches, open_training_data
-    from ..serving.reference import load_reference_draft
-
     device = torch.device(config.device)
     draft = load_reference_draft(checkpoint, config.verifier_name_or_path)
     draft = draft.to(device, getattr(torch, config.dtype))

@@ -30,6 +30,8 @@ from torch import nn
 
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
+from ..data import PackedBatches, default_target_layer_ids, open_training_data
+from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
 from .config import TrainConfig
@@ -74,8 +76,6 @@ class TrainingSetup:
 
 def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
     from transformers import AutoTokenizer
-
-    from ..model.mask_token import choose_mask_token_id, mask_token_problem
 
     tokenizer = AutoTokenizer.from_pretrained(config.verifier_name_or_path)
     if config.mask_token_id is None:
@@ -144,8 +144,6 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
     Data made by ``generate-data`` records its layer ids; other data (speculators' own)
     records only their count, which is all that is checked.
     """
-    from ..data import default_target_layer_ids
-
     layer_ids = data.target_layer_ids or default_target_layer_ids(verifier_config.num_hidden_layers)
     if data.settings is not None:
         return layer_ids
@@ -170,8 +168,6 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     data's layout and layer ids) run before the scan of every hidden-state file, and, with
     ``--online --prompts``, before the replies are generated.
     """
-    from ..data import PackedBatches, open_training_data
-
     world = World.from_env(config.device)
     if world.device.type == "cpu" and config.autocast != "none":
         _bound_onednn_cache()

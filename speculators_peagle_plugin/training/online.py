@@ -1,5 +1,5 @@
 """Online training's data: token ids (given, or the target's replies generated first) whose
-hidden states the target computes as each batch is read (:mod:`..data.online`).
+hidden states the target computes as each batch is read (:mod:`..datagen.online`).
 
 When to choose it (README, "Online or offline"): online pays a target forward per sample per
 epoch (less with ``--online-cache``) and keeps the target in memory beside the draft, and
@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from ..common.reading import read_json
-from ..data import DataGenConfig, TrainingData, default_target_layer_ids, open_training_data
-from ..data.build import generate_replies
-from ..data.config import SETTINGS_FILE
-from ..data.online import CACHE_DIR, CacheSettings, OnlineHiddenStates
+from ..data import TrainingData, default_target_layer_ids, open_training_data
+from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
+from ..datagen.build import generate_replies
+from ..datagen.config import DataGenConfig
+from ..datagen.online import CACHE_DIR, CacheSettings, OnlineHiddenStates
 from ..model.target import load_target_model
 from .config import TrainConfig
 from .distributed import World
@@ -79,7 +80,7 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
     model = load_target_model(
         config.verifier_name_or_path, getattr(torch, config.target_dtype), world.device
     )
-    # What the disk cache's states depend on; another value empties it (data/online.py).
+    # What the disk cache's states depend on; another value empties it (datagen/online.py).
     key = {
         "target": str(Path(config.verifier_name_or_path).resolve()),
         "target_dtype": config.target_dtype,

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
+from . import heldout
 from .checkpoint import STATE_FILE
 from .config import TrainConfig
 from .distributed import World
@@ -81,9 +82,7 @@ class Validation:
 
     def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
         """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
-        from .heldout import heldout_metrics
-
-        metrics = heldout_metrics(checkpoint, self.config, self.config.validation_data_path)
+        metrics = heldout.heldout_metrics(checkpoint, self.config, self.config.validation_data_path)
         record = {"step": step, "epoch": epoch, "checkpoint": checkpoint.name, **metrics}
         previous = self.best
         self.records.append(record)

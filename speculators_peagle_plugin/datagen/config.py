@@ -1,22 +1,6 @@
-"""The on-disk layout of training data, and the settings of ``generate-data``.
+"""The settings of ``generate-data`` (:class:`DataGenConfig`) and its generators' constants.
 
-On-disk layout (speculators' format), one directory ``DIR``:
-
-    DIR/data-*.arrow, dataset_info.json, state.json  Arrow dataset (``save_to_disk``), a row per
-                                                     target reply: input_ids, loss_mask, seq_len
-    DIR/hidden_states/hs_<i>.safetensors             {"hidden_states": [seq, n_aux+1, H],
-                                                      "token_ids": [seq]} for dataset row i
-                                                     (+ "hidden_states_scales" [seq, 1, 1] with
-                                                     float8 storage: data/storage.py)
-    DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
-    DIR/generation_settings.json                     what generate-data was run with (this plugin)
-    DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
-    DIR/vllm-capture.log                             what vLLM printed capturing hidden states
-
-Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
-``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
-layers (transformers' ``hidden_states[L]``); the last slot is the final residual stream BEFORE
-the final norm (transformers' ``hidden_states[-1]`` is after it, so it is captured with a hook).
+The directory it writes is :mod:`..data.layout`'s.
 """
 
 from __future__ import annotations
@@ -24,24 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..common.devices import checked_device
 from ..common.dtypes import DTYPE_NAMES, DTYPES
 from ..common.flags import flag_field as _opt
 from ..core.config import check_int_at_least
+from ..data.prompts import prompt_source_exists
+from ..data.storage import FLOAT8
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
-from .prompts import prompt_source_exists
 
-HIDDEN_STATES_DIR = "hidden_states"
-SETTINGS_FILE = "generation_settings.json"
-RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation resume state
-TOKEN_FREQ_FILE = "token_freq.pt"
-VLLM_LOG_FILE = "vllm.log"
 BACKENDS = ("transformers", "vllm")
 # what computes the hidden states: a pass over the rows (a backend), or the replies' engine
 STATE_SOURCES = (*BACKENDS, "generation")
-STORAGE_DTYPES = ("target", "float8")  # float8: hs_connectors' 8-bit format (data/storage.py)
+STORAGE_DTYPES = ("target", FLOAT8)  # float8: hs_connectors' 8-bit format (data/storage.py)
 # The resume unit of vLLM generation (and of the vLLM capture pass): batch_size x this many
 # replies per shard file.
 VLLM_BATCHES_PER_SHARD = 4
@@ -50,21 +28,6 @@ VLLM_BATCHES_PER_SHARD = 4
 # to the worker as one message, which bounds it).
 VLLM_SHARDS_PER_JOB = 16
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
-
-
-def hs_path(hidden_states_dir: Path, index: int) -> Path:
-    """Path of dataset row ``index``'s hidden states (speculators' ``FileTransfer`` naming)."""
-    return Path(hidden_states_dir) / f"hs_{index}.safetensors"
-
-
-def mix_seed(*values: int) -> int:
-    """One well-mixed 63-bit seed from several non-negative ints (e.g. seed, epoch)."""
-    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0]) >> 1
-
-
-def default_target_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """vLLM's EAGLE-3 aux layers ``(2, N//2, N-3)``; e.g. 30 layers -> ``(2, 15, 27)``."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass(frozen=True)
@@ -76,7 +39,7 @@ class DataGenConfig:
         prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``,
             ``sharegpt``, ``mbpp``, ..., a ``.jsonl`` file or a dataset saved with
             ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those); rows as
-            :func:`~.prompts.load_prompts` reads them.
+            :func:`~..data.prompts.load_prompts` reads them.
         output: directory for the speculators-format data (created; resumed if it exists).
         max_new_tokens: tokens generated per assistant turn.
         temperature: 0 = greedy; > 0 samples (with ``top_p``, no top-k).
@@ -110,7 +73,7 @@ class DataGenConfig:
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
         max_samples: use only the first this many usable prompts.
         contamination_guard: drop the prompts that copy a held-out evaluation prompt
-            (:mod:`.contamination`; the count is recorded in ``generation_settings.json``).
+            (:mod:`..data.contamination`; the count is recorded in ``generation_settings.json``).
             Off for users whose evaluation uses other sets.
         seed: seed of the sampled generation (vllm: mixed with each reply's prompt index and
             turn; transformers: with each batch's first, so resumed runs agree).

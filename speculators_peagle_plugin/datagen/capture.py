@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
+from ..data.layout import HIDDEN_STATES_DIR, hs_path
+from ..data.storage import stored_tensors
 from ..model.target import FinalNormInput
-from .config import HIDDEN_STATES_DIR, hs_path
-from .storage import stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def write_hidden_states(
 ) -> int:
     """Hidden states of each dataset row of ``output`` without a valid ``hs_<i>.safetensors``
     (rows that start alike share their prefix's forward: :class:`_PrefixStates`), stored as
-    computed or in the 8-bit format (``storage_dtype`` ``"float8"``, :mod:`.storage`).
+    computed or in the 8-bit format (``storage_dtype`` ``"float8"``, :mod:`..data.storage`).
 
     Returns the number of files written.
     """

@@ -32,7 +32,7 @@ ADVICE = (
     (
         r"stack overflow|RecursionError|recursion depth",
         "--enforce-eager (no compiling); this package's vLLM plugin "
-        "speculators_peagle_plugin.serving.vllm_plugin should prevent this crash: check that "
+        "speculators_peagle_plugin.engine.vllm_plugin should prevent this crash: check that "
         "vLLM loads it (peagle_vllm_fixes among VLLM_PLUGINS, if that is set)",
     ),
     (

@@ -16,20 +16,20 @@ from pathlib import Path
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
 from ..common.lock import LOCK_FILE, exclusive_directory
 from ..common.reading import read_json
-from .capture import write_hidden_states
-from .capture_vllm import place_recorded, recording_spec, write_hidden_states_vllm
-from .config import (
+from ..data.dataset import TrainingData, open_training_data
+from ..data.layout import (
     HIDDEN_STATES_DIR,
     RESPONSES_DIR,
     SETTINGS_FILE,
     TOKEN_FREQ_FILE,
-    DataGenConfig,
     default_target_layer_ids,
 )
-from .dataset import TrainingData, open_training_data
+from ..data.prompts import read_training_prompts, resolved_spec
+from ..data.storage import check_free_space, storage_estimate
+from .capture import write_hidden_states
+from .capture_vllm import place_recorded, recording_spec, write_hidden_states_vllm
+from .config import DataGenConfig
 from .generation import Target, generate_responses
-from .prompts import read_training_prompts, resolved_spec
-from .storage import check_free_space, storage_estimate
 
 logger = logging.getLogger(__name__)
 

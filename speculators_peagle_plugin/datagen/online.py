@@ -3,7 +3,8 @@
 Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers.
 
 Offline training reads ``hs_<i>.safetensors`` through hs_connectors' file transfer;
-online training swaps in :class:`OnlineHiddenStates`, which answers the same call
+online training swaps in :class:`OnlineHiddenStates` (a
+:class:`~..data.dataset.HiddenStatesSource`), which answers the same call
 (``get_cached(i)`` -> ``{"hidden_states": [seq, n_aux+1, H], "token_ids": [seq]}``) by
 running the target on dataset row ``i``. Everything downstream — the checked dataset,
 ``shift_batch``, packing, the collate — is the offline code unchanged, so the two paths
@@ -35,8 +36,8 @@ import torch
 
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries
 from ..common.reading import read_json
+from ..data.layout import hs_path
 from .capture import capture_hidden_states, save_safetensors
-from .config import hs_path
 
 logger = logging.getLogger(__name__)
 

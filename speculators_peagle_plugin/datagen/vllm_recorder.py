@@ -1,7 +1,8 @@
 """Hidden states recorded while vLLM generates the replies: no second pass over the rows.
 
-A vLLM worker extension (``LLM(worker_extension_cls=RECORDER)``), loaded by vLLM inside its
-worker, never imported by the package itself. While recording, hooks on the target's decoder
+A vLLM worker extension (:func:`recording_extension`: the engine builds its ``LLM`` with
+``worker_extension_cls=RECORDER`` and calls its start and stop around a job's requests),
+loaded by vLLM inside its worker. While recording, hooks on the target's decoder
 layers keep the residual stream of every token the engine computes (each prompt's prefill
 and each decode step's fed-back token) as vLLM's own aux capture takes it: id ``L`` is the
 sum ``hidden_states + residual`` after ``L`` decoder layers (transformers'
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
+from ..engine.vllm_client import WorkerExtension
 from .capture import save_safetensors
 
 logger = logging.getLogger(__name__)
@@ -186,3 +188,10 @@ class HiddenStatesRecorder:
     def stop_recording(self) -> dict:
         recording, self._recording = getattr(self, "_recording", None), None
         return {"written": 0, "incomplete": 0} if recording is None else recording.close()
+
+
+def recording_extension(spec: dict) -> WorkerExtension:
+    """The engine's :class:`~..engine.vllm_client.WorkerExtension` that records ``spec``
+    (:class:`HiddenStatesRecorder`'s) during a job."""
+    start, stop = HiddenStatesRecorder.start_recording, HiddenStatesRecorder.stop_recording
+    return WorkerExtension(cls=RECORDER, start=start.__name__, stop=stop.__name__, spec=spec)

@@ -1,6 +1,6 @@
 """Out-of-process vLLM runner for the acceptance-length harness: JSON lines in, JSON lines out.
 
-Started by :class:`~speculators_peagle_plugin.serving.vllm_client.VllmWorker` (never
+Started by :class:`~speculators_peagle_plugin.engine.vllm_client.VllmWorker` (never
 imported), so vLLM's engine, its threads and its memory live and die in this process.
 Protocol, one JSON object a line:
 
@@ -11,7 +11,8 @@ Protocol, one JSON object a line:
   ``{"event": "engine", ...}`` once it runs,
   ``{"event": "progress", "index", "token_ids", ...}`` after each finished request (its
   position in the job's prompts, its generated tokens), and one
-  ``{"event": "result", ...}`` or ``{"event": "error", "message": ...}``.
+  ``{"event": "result", ...}`` (with ``"extension"``: the job's worker extension's report,
+  or ``{"error": ...}`` when the engine could not run it) or ``{"event": "error", "message": ...}``.
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by the driver for ``in_process``) keeps the
 engine core in this process (``distributed_executor_backend="uni"``).
@@ -36,7 +37,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from speculators_peagle_plugin.serving.vllm_client import VllmJob
+    from speculators_peagle_plugin.engine.vllm_client import VllmJob, WorkerExtension
 
 ENGINE_KEYS = (
     "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
@@ -67,9 +68,11 @@ class Worker:
         # prefill's discarded sample ("CPU Generator does not use offset"), so seeded jobs
         # run on CPU without chunked prefill: a prompt is prefilled in one step.
         whole_prefills = job.seeds is not None and current_platform.is_cpu()
+        extension_cls = None if job.extension is None else job.extension.cls
         settings = {k: getattr(job, k) for k in ENGINE_KEYS} | {
             "max_num_seqs": max_num_seqs,
             "whole_prefills": whole_prefills,
+            "worker_extension_cls": extension_cls,
         }
         key = json.dumps(settings, sort_keys=True)
         if key == self.key:
@@ -78,6 +81,8 @@ class Worker:
         from vllm import LLM
 
         kwargs = {"enable_chunked_prefill": False} if whole_prefills else {}
+        if extension_cls is not None:
+            kwargs["worker_extension_cls"] = extension_cls
         if job.draft:
             kwargs["speculative_config"] = {
                 "method": "eagle3",
@@ -130,7 +135,8 @@ class Worker:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        from speculators_peagle_plugin.serving.inflight import drive
+        # lazily, like every package import here: main() imports vLLM first (see there)
+        from speculators_peagle_plugin.engine.inflight import drive
 
         llm = self.engine(job)
         engine = llm.llm_engine
@@ -183,12 +189,12 @@ class Worker:
                 }
             )
 
-        recording = _start_recording(llm, job.record_hidden_states)
+        extension = _start_extension(llm, job.extension)
         drive(engine, requests, job.batch_size, on_finished)
         if job.engine_overrides.get("kv_transfer_config"):
             _flush_kv_connector(engine)
-        if recording is None and job.record_hidden_states:
-            recording = llm.collective_rpc("stop_recording")[0]
+        if extension is None and job.extension is not None:
+            extension = llm.collective_rpc(job.extension.stop)[0]
         wall = time.perf_counter() - start
         ordered = [outputs[i] for i in ids]
         return {
@@ -202,18 +208,18 @@ class Worker:
             "time_per_output_token_s": [tpot[i] for i in ids],
             "accepted_histograms": [histograms[i] for i in ids] if has_draft else None,
             "outputs": ordered,
-            "recording": recording,
+            "extension": extension,
         }
 
 
-def _start_recording(llm, spec: dict) -> dict | None:
-    """Start the engine's hidden-state recorder for a job that asks for one: None when it
-    records (or none was asked for), else ``{"error": why this engine cannot}``."""
-    if not spec:
+def _start_extension(llm, extension: WorkerExtension | None) -> dict | None:
+    """Start the job's worker extension (:class:`WorkerExtension`): None when it runs (or
+    the job has none), else ``{"error": why this engine cannot run it}``."""
+    if extension is None:
         return None
-    reasons = [r for r in llm.collective_rpc("start_recording", args=(spec,)) if r]
+    reasons = [r for r in llm.collective_rpc(extension.start, args=(extension.spec,)) if r]
     if reasons:
-        llm.collective_rpc("stop_recording")  # ranks that did start
+        llm.collective_rpc(extension.stop)  # ranks that did start
         return {"error": reasons[0]}
     return None
 
@@ -229,7 +235,8 @@ def _time_per_output_token(stats) -> float | None:
 
 def _counters(llm):
     """The engine's spec-decode counters now (cumulative: a job reports a difference)."""
-    from speculators_peagle_plugin.serving.counters import SpecDecodeCounters
+    # lazily, like every package import here: main() imports vLLM first (see there)
+    from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 
     return SpecDecodeCounters.from_metrics(llm.get_metrics())
 
@@ -261,7 +268,7 @@ def main() -> None:
     import vllm
 
     # The package after vLLM, so that vLLM is the first to import torch, on its own terms.
-    from speculators_peagle_plugin.serving.vllm_client import VllmJob
+    from speculators_peagle_plugin.engine.vllm_client import VllmJob
 
     worker = Worker(emit)
     emit({"event": "ready", "vllm_version": vllm.__version__, "in_process": _in_process()})
@@ -272,7 +279,7 @@ def main() -> None:
         if request.get("op") == "quit":
             break
         try:
-            emit(worker.run(VllmJob(**request["job"])))
+            emit(worker.run(VllmJob.from_json(request["job"])))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises
             worker.shutdown()  # never reuse an engine a failed job may have left busy
             emit({"event": "error", "message": f"{type(exc).__name__}: {str(exc)[:2000]}"})

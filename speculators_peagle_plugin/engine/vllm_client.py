@@ -26,6 +26,31 @@ from .engine_start import (
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run as a script, never imported
 
 
+@dataclass(frozen=True)
+class WorkerExtension:
+    """A vLLM worker extension a job runs with, and the RPCs that bracket the job's requests.
+
+    The engine knows nothing of what an extension does: it builds its engine with
+    ``worker_extension_cls=cls``, calls ``collective_rpc(start, args=(spec,))`` before the
+    job's requests and ``collective_rpc(stop)`` after them. ``start`` returns, per rank,
+    None or one sentence saying why this engine cannot run the extension (then ``stop``
+    runs on the ranks that did start, and the job runs without it); ``stop`` returns a JSON
+    object per rank, rank 0's of which is the job's result's ``"extension"``. The layer that
+    owns an extension defines its instance (e.g. a recorder of hidden states).
+
+    Args:
+        cls: the extension's import path, ``module.Class`` (vLLM imports it in its worker).
+        start: name of the method that starts it for a job (takes ``spec``).
+        stop: name of the method that stops it and returns its report.
+        spec: the job's argument to ``start`` (JSON).
+    """
+
+    cls: str
+    start: str
+    stop: str
+    spec: dict = field(default_factory=dict)
+
+
 class EngineError(RuntimeError):
     """A vLLM engine that could not start or run a job; the message is one sentence with
     the cause, the worker's log and what to try."""
@@ -59,9 +84,8 @@ class VllmJob:
         speculative_overrides: merged into vLLM's speculative config.
         engine_overrides: more ``LLM(...)`` arguments (e.g. ``tensor_parallel_size``, or
             the ``speculative_config`` and ``kv_transfer_config`` of a hidden-state capture).
-        record_hidden_states: the spec of a recording of the hidden states of every token
-            the engine computes (:class:`~..data.vllm_recorder.HiddenStatesRecorder`; the
-            engine needs ``worker_extension_cls`` set to it); empty: no recording.
+        extension: a :class:`WorkerExtension` the engine runs with and starts and stops
+            around the job's requests; None: none.
 
     Consecutive jobs with the same engine settings reuse the worker's engine.
     """
@@ -84,11 +108,19 @@ class VllmJob:
     prefix_caching: bool = False
     speculative_overrides: dict = field(default_factory=dict)
     engine_overrides: dict = field(default_factory=dict)
-    record_hidden_states: dict = field(default_factory=dict)
+    extension: WorkerExtension | None = None
 
     def to_json(self) -> dict:
         """The job as the worker's protocol carries it (a JSON object)."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, job: dict) -> VllmJob:
+        """The job :meth:`to_json` carried."""
+        extension = job.get("extension")
+        if extension is not None:
+            job = {**job, "extension": WorkerExtension(**extension)}
+        return cls(**job)
 
 
 class VllmWorker:
@@ -119,7 +151,7 @@ class VllmWorker:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self._since = self.log_path.stat().st_size  # where this worker's (a job's) part begins
         self.proc = subprocess.Popen(
-            # -P: the script's folder (serving/) stays off sys.path, so its modules cannot
+            # -P: the script's folder (engine/) stays off sys.path, so its modules cannot
             # shadow top-level ones of the same name inside the worker
             [sys.executable, "-P", str(WORKER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,

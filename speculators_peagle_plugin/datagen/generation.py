@@ -21,16 +21,13 @@ import torch
 
 from ..common.dtypes import DTYPES
 from ..common.files import atomic_write_json
+from ..data.layout import RESPONSES_DIR, VLLM_LOG_FILE, mix_seed
+from ..data.prompts import render_conversation
+from ..engine.engine_start import check_parallel_size
+from ..engine.vllm_client import VllmJob, VllmWorker
 from ..model.target import eos_token_ids, load_target_model
-from .config import (
-    RESPONSES_DIR,
-    VLLM_BATCHES_PER_SHARD,
-    VLLM_LOG_FILE,
-    VLLM_SHARDS_PER_JOB,
-    DataGenConfig,
-    mix_seed,
-)
-from .prompts import render_conversation
+from .config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
+from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +37,6 @@ class Target:
 
     def __init__(self, config: DataGenConfig):
         from transformers import AutoTokenizer
-
-        from ..serving.engine_start import check_parallel_size
 
         self.config = config
         if "vllm" in (config.backend, config.capture_backend):
@@ -74,8 +69,6 @@ class Target:
         if self.config.backend != "vllm":
             yield
             return
-        from ..serving.vllm_client import VllmWorker
-
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
         # as with vLLM's separate engine process, which would also reserve a core for itself.
         in_process = self.config.tensor_parallel_size == 1  # several ranks need processes
@@ -106,7 +99,7 @@ class Target:
         requests that shared its steps (up to the rounding of batched arithmetic); transformers
         samples the whole batch from one generator seeded with ``seeds[0]``. On vLLM,
         ``on_event`` receives the worker's event after every finished request
-        (:meth:`~..serving.vllm_client.VllmWorker.run`), and ``record`` (a
+        (:meth:`~..engine.vllm_client.VllmWorker.run`), and ``record`` (a
         :class:`~.vllm_recorder.HiddenStatesRecorder` spec) has the engine record the hidden
         states of every token it computes; an engine that cannot record says why in the
         log once, and generates as usual.
@@ -115,20 +108,15 @@ class Target:
 
         cfg = self.config
         if self.vllm is not None:
-            from ..serving.vllm_client import VllmJob
-            from .vllm_recorder import RECORDER
-
             record = record if self.record_error is None else None
-            overrides = {"tensor_parallel_size": cfg.tensor_parallel_size}
-            if record:
-                overrides["worker_extension_cls"] = RECORDER
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                 seed=cfg.seed, seeds=seeds if cfg.temperature > 0 else None,
                 temperature=cfg.temperature, top_p=cfg.top_p,
-                prefix_caching=True, engine_overrides=overrides,
-                record_hidden_states=record or {},
+                prefix_caching=True,
+                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
+                extension=recording_extension(record) if record else None,
             )  # fmt: skip
 
             def event(message: dict) -> None:
@@ -140,8 +128,8 @@ class Target:
                     on_event(message)
 
             result = self.vllm.run(job, event)
-            if record and (result["recording"] or {}).get("error"):
-                self.record_error = result["recording"]["error"]
+            if record and (result["extension"] or {}).get("error"):
+                self.record_error = result["extension"]["error"]
                 logger.warning(
                     "vLLM could not record the hidden states while generating (%s); a "
                     "second pass will capture them.", self.record_error,

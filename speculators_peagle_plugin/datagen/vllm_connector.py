@@ -21,8 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import (
 )
 
 from ..common.files import atomic_write
+from ..data.storage import STORAGE_DTYPE_KEY, stored_tensors
 from .capture import save_safetensors
-from .storage import STORAGE_DTYPE_KEY, stored_tensors
 
 
 class _Done:

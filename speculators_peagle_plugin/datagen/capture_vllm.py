@@ -23,15 +23,20 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
+from ..data.layout import HIDDEN_STATES_DIR, hs_path
+from ..data.storage import STORAGE_DTYPE_KEY, stored_tensors
+from ..engine.vllm_client import VllmJob, VllmWorker
 from .capture import log_capture, pending_rows, save_safetensors
-from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig, hs_path
-from .storage import STORAGE_DTYPE_KEY, stored_tensors
+from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig
+from .vllm_recorder import FIRST_COMPUTED_KEY
 
 logger = logging.getLogger(__name__)
 
 STAGING_DIR = ".vllm-capture"  # under hidden_states/: the connector's files before renaming
 RECORDED_DIR = ".generation"  # under hidden_states/: the replies' engine's recorded states
 CAPTURE_LOG_FILE = "vllm-capture.log"
+# the KV connector's module, loaded by vLLM in its worker (never here: it imports vLLM)
+VLLM_CONNECTOR = f"{__package__}.vllm_connector"
 
 
 def capture_engine_overrides(
@@ -49,7 +54,7 @@ def capture_engine_overrides(
         },
         "kv_transfer_config": {
             "kv_connector": "HiddenStatesFileConnector",
-            "kv_connector_module_path": "speculators_peagle_plugin.data.vllm_connector",
+            "kv_connector_module_path": VLLM_CONNECTOR,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {
                 "shared_storage_path": str(staging),
@@ -112,8 +117,6 @@ def write_hidden_states_vllm(
     """
     from tqdm import tqdm
 
-    from ..serving.vllm_client import VllmJob, VllmWorker
-
     shape_tail = (len(layer_ids) + 1, settings["target_hidden_size"])
     dataset, hs_dir, todo = pending_rows(output, shape_tail)
     if not todo:
@@ -156,8 +159,6 @@ def write_hidden_states_vllm(
 def recording_spec(output: Path, layer_ids: tuple[int, ...], num_layers: int) -> dict:
     """What the replies' engine records (:class:`~.vllm_recorder.HiddenStatesRecorder`):
     the aux layers and the final residual stream (id ``num_layers``) of every row."""
-    from .config import HIDDEN_STATES_DIR
-
     staging = (output / HIDDEN_STATES_DIR / RECORDED_DIR).absolute()
     return {"dir": str(staging), "layer_ids": [*layer_ids, num_layers]}
 
@@ -188,9 +189,6 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from .config import HIDDEN_STATES_DIR
-    from .vllm_recorder import FIRST_COMPUTED_KEY
 
     staging = output / HIDDEN_STATES_DIR / RECORDED_DIR
     if not staging.is_dir():

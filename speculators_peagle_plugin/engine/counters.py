@@ -83,9 +83,7 @@ class SpecDecodeCounters:
             num_drafts=self.num_drafts - before.num_drafts,
             num_draft_tokens=self.num_draft_tokens - before.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens - before.num_accepted_tokens,
-            accepted_per_pos=[
-                a - b for a, b in zip(self.accepted_per_pos, padded, strict=False)
-            ],
+            accepted_per_pos=[a - b for a, b in zip(self.accepted_per_pos, padded, strict=False)],
         )
 
     def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:

@@ -1,0 +1,51 @@
+"""The on-disk layout of training data: file names, paths, seeds of its order, its error.
+
+On-disk layout (speculators' format), one directory ``DIR``:
+
+    DIR/data-*.arrow, dataset_info.json, state.json  Arrow dataset (``save_to_disk``), a row per
+                                                     target reply: input_ids, loss_mask, seq_len
+    DIR/hidden_states/hs_<i>.safetensors             {"hidden_states": [seq, n_aux+1, H],
+                                                      "token_ids": [seq]} for dataset row i
+                                                     (+ "hidden_states_scales" [seq, 1, 1] with
+                                                     float8 storage: :mod:`.storage`)
+    DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
+    DIR/generation_settings.json                     what generate-data was run with (this plugin)
+    DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
+    DIR/vllm-capture.log                             what vLLM printed capturing hidden states
+
+Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = aux layers,
+``S`` = tokens per packed row. Aux layer id ``L`` is the residual stream after ``L`` decoder
+layers (transformers' ``hidden_states[L]``); the last slot is the final residual stream BEFORE
+the final norm (transformers' ``hidden_states[-1]`` is after it, so it is captured with a hook).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN_STATES_DIR = "hidden_states"
+SETTINGS_FILE = "generation_settings.json"
+RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation resume state
+TOKEN_FREQ_FILE = "token_freq.pt"
+VLLM_LOG_FILE = "vllm.log"
+
+
+class DataError(ValueError):
+    """Training data that cannot be used as it is; the message names the file or setting."""
+
+
+def hs_path(hidden_states_dir: Path, index: int) -> Path:
+    """Path of dataset row ``index``'s hidden states (speculators' ``FileTransfer`` naming)."""
+    return Path(hidden_states_dir) / f"hs_{index}.safetensors"
+
+
+def mix_seed(*values: int) -> int:
+    """One well-mixed 63-bit seed from several non-negative ints (e.g. seed, epoch)."""
+    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0]) >> 1
+
+
+def default_target_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's EAGLE-3 aux layers ``(2, N//2, N-3)``; e.g. 30 layers -> ``(2, 15, 27)``."""
+    return (2, num_layers // 2, num_layers - 3)
