@@ -203,12 +203,14 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
             return {"checkpoint": str(layout.train / BEST_DIR)}
         return {"checkpoint": str(checkpoint_dirs(layout.train)[-1])}
 
+    inputs = {"config_sha256": yaml_sha256, "max_steps": config.max_steps,
+              "native_bf16": native_bf16,
+              "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())}  # fmt: skip
+    if config.early_stop_patience is not None:
+        inputs["early_stop_patience"] = config.early_stop_patience
     return stages.run(
-        "train", {"config_sha256": yaml_sha256, "max_steps": config.max_steps,
-                  "native_bf16": native_bf16,
-                  "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())},
-        train, lambda out: has_weights(Path(out["checkpoint"])),
-    )["checkpoint"]  # fmt: skip
+        "train", inputs, train, lambda out: has_weights(Path(out["checkpoint"]))
+    )["checkpoint"]
 
 
 def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target: Path,
