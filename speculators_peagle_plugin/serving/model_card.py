@@ -108,7 +108,8 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
         guard = data.get("contamination") or {}
         d = data.get
         made = (
-            f"{training.get('samples', '?')} samples: the target's replies to `{d('prompts')}` "
+            (f"{training['samples']} samples: " if training.get("samples") else "")
+            + f"the target's replies to `{d('prompts')}` "
             f"({d('num_samples')} per prompt, temperature {d('temperature')}, up to "
             f"{d('max_new_tokens')} new tokens, {d('backend')} in {d('dtype')})"
         )

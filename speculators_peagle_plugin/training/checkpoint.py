@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.files import atomic_directory
-from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
+from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
+from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
+from ..serving.model_card import write_model_card
 from .config import TrainConfig
 from .distributed import World, sharded
+from .online import online_data_path
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "training_state.pt"
@@ -107,6 +110,7 @@ def save_checkpoint(
         try:
             with atomic_directory(final) as tmp:
                 draft.save_pretrained(tmp, state_dict=model_state)
+                write_model_card(tmp, _how_it_was_made(config, step), location=final)
                 state = {
                     "step": step,
                     "optimizer": optim_state,
@@ -129,6 +133,16 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
+
+
+def _how_it_was_made(config: TrainConfig, step: int) -> dict:
+    """The model card's account of a checkpoint: its data's generation settings (from the
+    data directory, or the replies ``--online --prompts`` generated), recipe and steps."""
+    made = {"steps": step, "data_path": config.data_path or None, "recipe": config.to_dict()}
+    settings = online_data_path(config) / SETTINGS_FILE
+    if (config.prompts or config.data_path) and settings.is_file():
+        made["data"] = read_json(settings)
+    return made
 
 
 @dataclass
