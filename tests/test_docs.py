@@ -33,7 +33,7 @@ def test_readme_stays_short():
 
 
 def _results_sections() -> list[str]:
-    """RESULTS.md's section titles without their numbers: '## 4. The demo: ...' -> 'The demo: ...'."""
+    """RESULTS.md's section titles without their numbers ('## 4. The demo' -> 'The demo')."""
     heads = re.findall(r"^##+ (.*)$", RESULTS.read_text(), flags=re.M)
     return [re.sub(r"^\d+\.\s*", "", h) for h in heads]
 
