@@ -168,8 +168,10 @@ def step_checks(shape: Shape, device: torch.device, seeds, length: int) -> list[
     errors = {"step float32": {}, "step bfloat16": {}, "partitioned": {}}
     for seed in seeds:
         draft = build_draft(narrow, device, seed, NARROW_WINDOW)
-        batch64 = packed_batch(seed, vocab=narrow.vocab_size, seq_len=length,
-                               aux_width=draft.model.fc.in_features, hidden=narrow.hidden_size)  # fmt: skip
+        batch64 = packed_batch(
+            seed, vocab=narrow.vocab_size, seq_len=length, aux_width=draft.model.fc.in_features,
+            hidden=narrow.hidden_size,
+        )  # fmt: skip
         batch = {k: (v.float() if v.is_floating_point() else v).to(device)
                  for k, v in batch64.items()}  # fmt: skip
         want = _oracle_step(draft, batch64, device, seed)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import CODConfig
-from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_SLIDING_WINDOW
+from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 
 # The narrow draft of the correctness checks: a window shorter than its rows, so the
 # sliding branch of the mask is exercised, and key/value heads enough for a real GQA.
@@ -133,9 +133,10 @@ class Draft:
 def build_draft(shape: Shape, device: torch.device, seed: int, window: int | None) -> Draft:
     """Our P-EAGLE draft of ``shape`` with seeded random weights, on ``device``, float32.
 
-    The heads get weights wider than their initialisation (and a non-trivial verifier
-    norm, a verifier head near but not equal to the draft's), so the target and draft distributions differ and the loss is far from zero:
-    relative errors measured on it then mean something.
+    The heads get weights wider than their initialisation, a verifier head near but not
+    equal to the draft's and a non-trivial verifier norm, so the target and draft
+    distributions differ and the loss is far from zero: relative errors measured on it
+    then mean something.
     """
     from ..model.peagle_draft import PEagleDraftModel
 
