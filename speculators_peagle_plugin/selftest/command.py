@@ -105,7 +105,8 @@ def _speed_checks(results: dict[str, dict]) -> list[Check]:
                 status = SKIP if side != "ours" and rec["error"] == "out of memory" else FAIL
                 checks.append(Check(name, status, rec["error"], rec))
                 continue
-            parts = f" ({rec['segments']} segments)" if "segments" in rec else ""
+            n_seg = rec.get("segments")
+            parts = f" ({n_seg} segment{'s' * (n_seg > 1)})" if n_seg else ""
             detail = f"{rec['tokens_per_s']:,.0f} tokens/s, peak {rec['peak_gib']:.2f} GiB{parts}"
             checks.append(Check(name, PASS, detail, rec))
         if "longest_row" in result:
@@ -142,16 +143,25 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
     echo(f"shape: {options.shape} ({mode}), speed rows: {lens} tokens")
     shape = SHAPES[options.shape]
     checks: list[Check] = []
+    results: dict[str, dict] = {}
+    record = {
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv, "stack": info, "shape": options.shape, "quick": options.quick,
+        "seq_lens": list(options.seq_lens), "checks": [], "speed": results,
+    }  # fmt: skip
 
     def report(new: list[Check]) -> None:
         for check in new:
             echo(check.line())
         checks.extend(new)
+        record["checks"] = as_dicts(checks)
+        record["passed"] = not any(c.status == FAIL for c in checks)
+        if options.json_path:  # after every section: a run cut short still leaves its record
+            write_record(options.json_path, record)
 
     length = 60 if options.quick else 120
     report(attention_checks(shape, options.device, options.seeds, length))
     problem = speculators_problem()
-    results: dict[str, dict] = {}
     if problem:
         report([Check("draft, step and speed checks", SKIP, problem)])
     else:
@@ -159,21 +169,15 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
         for side in ("ours", "speculators"):
             results[side] = _measure(side, options)
             report(_speed_checks({side: results[side]}))
-        for line in ratio_lines(results):
+        record["ratios"] = ratio_lines(results)
+        for line in record["ratios"]:
             echo(line)
         warmup, steps = 1, 1 if options.quick else 3
         report(distributed_checks(shape, options.device, options.seq_lens[0], warmup, steps,
                                   options.quick))  # fmt: skip
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, SKIP)}
     echo(f"selftest: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
-    record = {
-        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "argv": sys.argv, "stack": info, "shape": options.shape, "quick": options.quick,
-        "seq_lens": list(options.seq_lens), "checks": as_dicts(checks), "speed": results,
-        "ratios": ratio_lines(results), "passed": counts[FAIL] == 0,
-    }  # fmt: skip
     if options.json_path:
-        write_record(options.json_path, record)
         echo(f"record: {options.json_path}")
     return record
 
