@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -150,7 +151,13 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
         "seq_lens": list(options.seq_lens), "checks": [], "speed": results,
     }  # fmt: skip
 
-    def report(new: list[Check]) -> None:
+    def report(name: str, run) -> list[Check]:
+        """``run()``'s checks; an exception in it is a FAIL of ``name``, and the rest goes on."""
+        try:
+            new = run()
+        except Exception as err:  # noqa: BLE001 - whatever broke is the finding
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            new = [Check(name, FAIL, why, {"traceback": traceback.format_exc()})]
         for check in new:
             echo(check.line())
         checks.extend(new)
@@ -158,23 +165,29 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
         record["passed"] = not any(c.status == FAIL for c in checks)
         if options.json_path:  # after every section: a run cut short still leaves its record
             write_record(options.json_path, record)
+        return new
 
     length = 60 if options.quick else 120
-    report(attention_checks(shape, options.device, options.seeds, length))
+    device, seeds = options.device, options.seeds
+    report("attention", lambda: attention_checks(shape, device, seeds, length))
     problem = speculators_problem()
     if problem:
-        report([Check("draft, step and speed checks", SKIP, problem)])
+        report("speculators", lambda: [Check("draft, step and speed checks", SKIP, problem)])
     else:
-        report(step_checks(shape, options.device, options.seeds, length + 1))
+        report("training step", lambda: step_checks(shape, device, seeds, length + 1))
         for side in ("ours", "speculators"):
-            results[side] = _measure(side, options)
-            report(_speed_checks({side: results[side]}))
+
+            def measure(side=side):
+                results[side] = _measure(side, options)
+                return _speed_checks({side: results[side]})
+
+            report(f"step {side}", measure)
         record["ratios"] = ratio_lines(results)
         for line in record["ratios"]:
             echo(line)
         warmup, steps = 1, 1 if options.quick else 3
-        report(distributed_checks(shape, options.device, options.seq_lens[0], warmup, steps,
-                                  options.quick))  # fmt: skip
+        report("torchrun", lambda: distributed_checks(shape, device, options.seq_lens[0], warmup,
+                                                      steps, options.quick))  # fmt: skip
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, SKIP)}
     echo(f"selftest: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
     if options.json_path:

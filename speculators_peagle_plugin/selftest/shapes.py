@@ -20,6 +20,7 @@ from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 # sliding branch of the mask is exercised, and key/value heads enough for a real GQA.
 NARROW_WINDOW = 24
 NARROW_KV_HEADS = 2
+NARROW_WIDTH_PER_HEAD = 32
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ class Shape:
 
     def narrow(self) -> Shape:
         """The correctness checks' draft: this head dim and grouping, a few heads, small vocab."""
-        group = self.num_attention_heads // self.num_key_value_heads
+        heads = self.num_attention_heads // self.num_key_value_heads * NARROW_KV_HEADS
+        hidden = heads * NARROW_WIDTH_PER_HEAD  # transformers wants the heads to divide it
         return Shape(
-            f"{self.name}-narrow", self.model_type, hidden_size=256, intermediate_size=512,
-            num_attention_heads=group * NARROW_KV_HEADS, num_key_value_heads=NARROW_KV_HEADS,
+            f"{self.name}-narrow", self.model_type, hidden_size=hidden,
+            intermediate_size=2 * hidden, num_attention_heads=heads,
+            num_key_value_heads=NARROW_KV_HEADS,
             head_dim=self.head_dim, vocab_size=512, num_hidden_layers=self.num_hidden_layers,
             rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps, draft_vocab_size=128,
         )  # fmt: skip
