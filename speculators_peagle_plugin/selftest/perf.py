@@ -149,13 +149,21 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is the allocator running out (compiled code may re-raise it as a
+    plain RuntimeError with the allocator's message)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
 def _fits(step, shape, seq_len, device, dtype) -> bool:
     """One step at ``seq_len``: True if it ran, False on an out-of-memory."""
     try:
         step(make_row(shape, seq_len, device, dtype), 0)
         return True
-    except torch.OutOfMemoryError:
-        return False
+    except RuntimeError as err:
+        if out_of_memory(err):
+            return False
+        raise
     finally:
         _free(device)
 
@@ -216,7 +224,9 @@ def measure_side(spec: dict) -> dict:
             if not math.isfinite(loss):
                 record["error"] = f"non-finite loss {loss}"
             fitted = seq_len
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:
+            if not out_of_memory(err):
+                raise
             record["error"] = "out of memory"
         del batch
         _free(device)
