@@ -22,7 +22,7 @@ from .oracles import brute_force_mask, dense_reference_loss, masked_attention
 from .report import Check, verdict
 from .report import relative_error as _error
 from .rows import packed_batch, random_cod_elements
-from .shapes import NARROW_WINDOW, Shape, build_draft
+from .shapes import NARROW_WINDOW, Shape, build_draft, trainer_for
 
 # Tolerances, relative to the reference's largest entry. float32: rounding of float32
 # sums over a few hundred keys and a few thousand features stays near 1e-6; a wrong key
@@ -99,20 +99,9 @@ def attention_checks(shape: Shape, device: torch.device, seeds, length: int) -> 
     return checks
 
 
-def _trainer(draft, device, seed, partitions=1):
-    from ..training.peagle_trainer import PEagleTrainerModule
-
-    cod = CODConfig()
-    return PEagleTrainerModule(
-        draft.model, draft.selected, draft.t2d, cod.num_depths, draft.mask_token_id,
-        cod.down_sample_ratio, cod.down_sample_ratio_min, partitions,
-        generator=torch.Generator(device).manual_seed(seed),
-    )  # fmt: skip
-
-
 def _run_step(draft, batch, device, seed, precision="float32", partitions=1):
     """The product's loss and gradients of one step: ``(loss, {name: grad})``."""
-    module = _trainer(draft, device, seed, partitions)
+    module = trainer_for(draft, partitions, seed)
     draft.model.zero_grad(set_to_none=True)
     loss = 0.0
     for segment in module.segments(batch):

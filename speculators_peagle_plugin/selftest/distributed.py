@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import CODConfig
 from ..model.build import DEFAULT_SLIDING_WINDOW
-from .checks import PARTITIONS, _trainer
+from .checks import PARTITIONS
 from .perf import _peak_gib, _sync, make_row, segments_for
 from .report import FAIL, SKIP, Check, relative_error, verdict
 from .rows import packed_batch
-from .shapes import NARROW_WINDOW, SHAPES, build_draft
+from .shapes import NARROW_WINDOW, SHAPES, build_draft, trainer_for
 
 WRAPPERS = ("ddp", "fsdp")
 TOLERANCE = 1e-5  # float32 gradients summed across ranks in another order
@@ -65,7 +64,7 @@ def _reference(shape, device, rows: list[dict], seed: int) -> tuple[float, dict]
     from ..training.step import cod_generator
 
     draft = build_draft(shape, device, seed, NARROW_WINDOW)
-    module = _trainer(draft, device, seed, PARTITIONS)
+    module = trainer_for(draft, PARTITIONS, seed)
     loss = 0.0
     for rank, row in enumerate(rows):
         module.generator = cod_generator(seed, 0, rank, device)
@@ -82,7 +81,7 @@ def _correctness(world, spec: dict, scratch: str) -> dict:
 
     shape, seed, device = SHAPES[spec["shape"]].narrow(), 0, world.device
     draft = build_draft(shape, device, seed, NARROW_WINDOW)
-    module = _trainer(draft, device, seed, PARTITIONS)
+    module = trainer_for(draft, PARTITIONS, seed)
     config = _config(world, spec["wrapper"], PARTITIONS, "none", scratch, seed)
     wrapped = wrap(StepModule(module, every_parameter=True), config, world)
     batch = packed_batch(seed, vocab=shape.vocab_size, aux_width=draft.model.fc.in_features,
@@ -104,18 +103,13 @@ def _correctness(world, spec: dict, scratch: str) -> dict:
 
 def _speed(world, spec: dict, scratch: str) -> dict:
     from ..training.distributed import StepModule, wrap
-    from ..training.peagle_trainer import PEagleTrainerModule
     from ..training.step import gradient_norm, train_step
 
     shape, device, seq_len = SHAPES[spec["shape"]], world.device, spec["seq_len"]
     cuda = device.type == "cuda"
     autocast, dtype = ("bfloat16", torch.bfloat16) if cuda else ("none", torch.float32)
     draft = build_draft(shape, device, 0, DEFAULT_SLIDING_WINDOW)
-    cod = CODConfig()
-    module = PEagleTrainerModule(
-        draft.model, draft.selected, draft.t2d, cod.num_depths, draft.mask_token_id,
-        cod.down_sample_ratio, cod.down_sample_ratio_min, segments_for(seq_len),
-    )  # fmt: skip
+    module = trainer_for(draft, segments_for(seq_len))
     config = _config(world, spec["wrapper"], segments_for(seq_len), autocast, scratch)
     wrapped = wrap(StepModule(module, every_parameter=True), config, world)
     params = [p for p in draft.model.parameters() if p.requires_grad]

@@ -37,7 +37,7 @@ import torch
 
 from ..core.config import CODConfig
 from ..model.build import DEFAULT_SLIDING_WINDOW
-from .shapes import SHAPES, build_draft, speculators_twin
+from .shapes import SHAPES, build_draft, speculators_twin, trainer_for
 
 SEGMENT_TOKENS = 8192  # ours: one sequence partition per this many tokens of the row
 SEARCH_CAP = 1 << 20  # the longest-row search stops here (tokens)
@@ -69,15 +69,10 @@ def _ours(shape, device: torch.device, autocast: str):
     """Our step: ``step(batch, index) -> loss`` (the module re-planned per row length)."""
     from ..training.config import TrainConfig
     from ..training.distributed import StepModule, World, wrap
-    from ..training.peagle_trainer import PEagleTrainerModule
     from ..training.step import gradient_norm, train_step
 
     draft = build_draft(shape, device, seed=0, window=DEFAULT_SLIDING_WINDOW)
-    cod = CODConfig()
-    module = PEagleTrainerModule(
-        draft.model, draft.selected, draft.t2d, cod.num_depths, draft.mask_token_id,
-        cod.down_sample_ratio, cod.down_sample_ratio_min,
-    )  # fmt: skip
+    module = trainer_for(draft)
     world = World(0, 1, device)
     params = [p for p in draft.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)

@@ -177,3 +177,17 @@ def speculators_twin(draft: Draft, shape: Shape, window: int | None, attn_impl: 
     for name, p in twin.named_parameters():
         p.requires_grad_(name in trainable)
     return twin
+
+
+def trainer_for(draft: Draft, partitions: int = 1, seed: int | None = None):
+    """Our ``PEagleTrainerModule`` over ``draft`` with the default COD settings; ``seed``:
+    its COD generator's, on the draft's device (None: the step seeds it)."""
+    from ..training.peagle_trainer import PEagleTrainerModule
+
+    cod = CODConfig()
+    device = draft.model.mask_hidden.device
+    gen = None if seed is None else torch.Generator(device).manual_seed(seed)
+    return PEagleTrainerModule(
+        draft.model, draft.selected, draft.t2d, cod.num_depths, draft.mask_token_id,
+        cod.down_sample_ratio, cod.down_sample_ratio_min, partitions, generator=gen,
+    )  # fmt: skip
