@@ -174,9 +174,12 @@ def _run(wrapper: str, ranks: int, spec: dict, env: dict) -> Check:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             return Check(name, FAIL, f"{ranks} ranks exited {done.returncode}: {tail[0]}")
         result = json.loads(out.read_text())
-    what = f"{ranks} ranks, gradients and loss vs one process on the same rows"
+    speed = result["speed"]
+    what = (f"{ranks} ranks, gradients and loss vs one process on the same rows; the step at "
+            f"{spec['seq_len']:,} tokens a rank: {speed['tokens_per_s']:,.0f} tokens/s over all "
+            f"ranks, peak {speed['peak_gib']:.2f} GiB on rank 0")  # fmt: skip
     check = verdict(name, result["errors"], TOLERANCE, what)
-    check.data |= {"ranks": ranks, "speed": result["speed"]}
+    check.data |= {"ranks": ranks, "speed": speed}
     return check
 
 
