@@ -173,3 +173,26 @@ def test_quick_cuda_selftest_passes(tmp_path):
     code, out = run_cli(["--device", "cuda", "--quick", "--json", str(tmp_path / "r.json")])
     assert code == 0, out
     assert "PASS attention flex float32" in out and "PASS attention chunked float32" in out
+
+
+def test_longest_row_search_doubles_then_bisects_to_an_eighth():
+    """The CUDA-only search, driven by a step that runs out of memory past 5000 tokens."""
+    from speculators_peagle_plugin.selftest import perf
+
+    tried = []
+
+    def step(batch, index):
+        tried.append(batch["input_ids"].shape[1])
+        if tried[-1] > 5000:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1.0
+
+    found = perf.longest_row(step, SHAPES["tiny"], 1024, torch.device("cpu"), torch.float32, 60)
+    assert tried == [2048, 4096, 8192, 6144, 5120]
+    assert found["tokens"] == 4096 and found["first_failing"] == 5120 and found["complete"]
+
+    def broken(batch, index):
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    with pytest.raises(RuntimeError, match="CUBLAS"):  # any other error is not "too long"
+        perf.longest_row(broken, SHAPES["tiny"], 1024, torch.device("cpu"), torch.float32, 60)

@@ -30,7 +30,6 @@ import math
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -76,13 +75,13 @@ def _ours(shape, device: torch.device, autocast: str):
     world = World(0, 1, device)
     params = [p for p in draft.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
-    scratch = tempfile.mkdtemp(prefix="peagle-selftest-")
 
     def step(batch: dict, index: int) -> float:
         seq_len = batch["input_ids"].shape[1]
         module.sequence_partitions = segments_for(seq_len)
+        # the step reads no path: these only satisfy the config's checks
         config = TrainConfig(
-            verifier_name_or_path="selftest", data_path="selftest", save_path=scratch,
+            verifier_name_or_path="selftest", data_path="selftest", save_path="selftest",
             sequence_partitions=module.sequence_partitions, autocast=autocast, device=str(device),
         )  # fmt: skip
         wrapped = wrap(StepModule(module, every_parameter=False), config, world)
@@ -177,6 +176,8 @@ def longest_row(step, shape, start: int, device, dtype, budget_s: float) -> dict
             break
         else:
             trial = (lo + hi) // 2 // 1024 * 1024
+            if trial <= lo:  # no multiple of 1024 left between them
+                break
         if _fits(step, shape, trial, device, dtype):
             lo = trial
         else:
@@ -201,9 +202,10 @@ def measure_side(spec: dict) -> dict:
     out = {"side": spec["side"], "lengths": {}}
     fitted = 0
     for seq_len in sorted(spec["seq_lens"]):
-        batch = make_row(shape, seq_len, device, dtype)
         record = {"segments": segments_for(seq_len)} if spec["side"] == "ours" else {}
+        batch = None
         try:
+            batch = make_row(shape, seq_len, device, dtype)
             times = []
             for i in range(spec["warmup"] + spec["steps"]):
                 if cuda and i == spec["warmup"]:
@@ -218,7 +220,8 @@ def measure_side(spec: dict) -> dict:
                        "peak_gib": _peak_gib(device)}  # fmt: skip
             if not math.isfinite(loss):
                 record["error"] = f"non-finite loss {loss}"
-            fitted = seq_len
+            else:
+                fitted = seq_len
         except RuntimeError as err:
             if not out_of_memory(err):
                 raise
