@@ -19,7 +19,7 @@ from .shapes import SHAPES
 
 # Row lengths of the speed comparison when --seq-lens is not given.
 DEFAULT_SEQ_LENS = {"quick": (256,), "cpu": (2048,), "cuda": (8192, 32768)}
-SEARCH_S = 90  # per side: the longest-row search's time on CUDA (not with --quick)
+SEARCH_S = 60  # per side: the longest-row search's time on CUDA (not with --quick)
 
 
 @dataclass(frozen=True)
