@@ -17,6 +17,7 @@ from .demo.pipeline import quick_config, run_demo
 from .engine.vllm_client import EngineError
 from .evaluation.config import EvalConfig
 from .evaluation.harness import evaluate
+from .selftest.command import selftest
 from .serving.check import DEVICES, check_checkpoint
 from .serving.export import export_checkpoint
 from .training.algorithm import discover_algorithms
@@ -29,6 +30,9 @@ from .training.progress import TrainingInterrupted
 @click.version_option(version("speculators-peagle-plugin"), prog_name="speculators-peagle")
 def main() -> None:
     """Train P-EAGLE speculative-decoding drafts and prove them in vLLM."""
+
+
+main.add_command(selftest)
 
 
 @main.command()

@@ -6,18 +6,18 @@ import logging
 
 import pytest
 import torch
-from helpers.oracles import masked_attention
 from safetensors.torch import load_file
 from speculators.model import SpeculatorModel
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
 from test_trainer import packed_batch, trainer
 from tiny import MASK_TOKEN, tiny_config, tiny_draft, tiny_target
 
-from speculators_peagle_plugin import generate_cod_sample_indices
 from speculators_peagle_plugin.kernels import attention, block_sparse, flex
 from speculators_peagle_plugin.kernels.fused_ops import _RMSNormFunction
 from speculators_peagle_plugin.model import peagle_draft as draft_module
 from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
+from speculators_peagle_plugin.selftest.oracles import masked_attention
+from speculators_peagle_plugin.selftest.rows import random_cod_elements
 
 
 def saved_weights(path):
@@ -111,26 +111,6 @@ def test_compile_support_needs_cuda_and_head_dim_16():
 
 
 # ------------------------------------------------- block-sparse CPU attention vs dense
-
-
-def random_cod_elements(seed, length=71, num_depths=5, drop_context=False):
-    """A COD sample of a ragged packed row (several documents, padding); optionally
-    with random elements removed, so some rows lose their own anchor (an empty
-    context band under a short window) and some rollouts have gaps."""
-    gen = torch.Generator().manual_seed(seed)
-    used = length - int(torch.randint(0, 9, (1,), generator=gen))
-    cuts = sorted(torch.randperm(used - 2, generator=gen)[:3].add(1).tolist())
-    doc = torch.full((length,), -1, dtype=torch.long)
-    for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, used], strict=True)):
-        doc[s:e] = i
-    loss_mask = (torch.rand(length, generator=gen) < 0.85).long()
-    anchor, depth = generate_cod_sample_indices(
-        length, loss_mask, num_depths, 0.9, 0.4, document_ids=doc, generator=gen
-    )
-    if drop_context:  # also leaves gaps in rollouts
-        keep = torch.rand(anchor.shape, generator=gen) < torch.where(depth == 0, 0.6, 0.8)
-        anchor, depth = anchor[keep], depth[keep]
-    return anchor, depth, doc
 
 
 @pytest.mark.parametrize("seed,heads", [(0, (4, 2)), (1, (3, 3)), (2, (6, 2)), (3, (4, 1))])
