@@ -39,6 +39,7 @@ EXTRA = {  # the flags each README command gets here
               "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
     "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
              "--in-process", "--enforce-eager", "--out", "{tmp}/eval"],  # fmt: skip
+    "selftest": ["--device", "cpu", "--quick", "--json", "{tmp}/selftest.json"],
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
                          "--partition-curve-seq-len", "128", "--partitions", "2",
@@ -263,6 +264,14 @@ def test_eval_command_measures_acceptance(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_selftest_command_passes(tmp_path):
+    (cmd,) = commands_of(("selftest",))
+    run(prepared(cmd, tmp_path, ""), tmp_path)
+    record = json.loads((tmp_path / "selftest.json").read_text())
+    assert record["passed"] and any(c["status"] == "PASS" for c in record["checks"])
+
+
 @pytest.mark.parametrize("name", ["bench_sampler", "bench_train_step"])
 def test_benchmark_commands_run_shortened(name, tmp_path):
     (cmd,) = commands_of((name,))
