@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +59,7 @@ def _get(url: str, timeout: float = 30.0) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             return reply.read()
-    except (urllib.error.URLError, OSError) as exc:
+    except OSError as exc:  # URLError is an OSError
         reason = getattr(exc, "reason", exc)
         raise ServerError(
             f"could not read {url} ({reason}); start the vLLM server or correct --server."
@@ -115,7 +114,7 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[
                     if new:
                         tokens += new
                         stamps.append((time.perf_counter(), len(new)))
-    except (urllib.error.URLError, OSError) as exc:
+    except OSError as exc:  # URLError is an OSError
         raise ServerError(
             f"the request to {server.url}/v1/completions failed "
             f"({getattr(exc, 'reason', exc)}); see the server's log."
