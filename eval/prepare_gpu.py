@@ -5,8 +5,8 @@ Usage (here, with network)::
     .venv/bin/python -m eval.prepare_gpu [--out runs/gpu-wheels]
 
 It lists the distributions the selftest imports (:data:`SELFTEST_MODULES`, imported
-here in a fresh process), drops those the GPU machine already has (:data:`GPU_HAS` and
-what they require), downloads the rest as wheels for that machine's Python (``pip
+here in a fresh process), drops those the GPU machine's image holds (:data:`GPU_IMAGE`),
+downloads the rest as wheels for that machine's Python (``pip
 download --no-deps --only-binary=:all:``, each at the version installed here, the one the
 tests ran with), builds our own wheel from the tree, checks that the wheels and the
 working tree fit the machine's 64 MiB per call, and writes ``OUT/command.sh``: the ONE
@@ -21,17 +21,45 @@ import re
 import shlex
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, distribution, requires
+from importlib.metadata import distribution
 from pathlib import Path
-
-from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 OWN = "speculators-peagle-plugin"
-# The GPU machine as lent (DESIGN.md §8): Python 3.12, torch 2.11 (CUDA 13), transformers
-# 5.17, triton, safetensors, pyarrow. pip installed each with what it requires: those count
-# as present too (requires_closure).
-GPU_HAS = ("torch", "transformers", "triton", "safetensors", "pyarrow")
+# Every distribution the lent GPU machine's image holds (its listing of 2026-11-17: Python
+# 3.12, torch 2.11 for CUDA 13, transformers 5.17, triton 3.6). A name, not the closure of
+# a few names' requirements by THIS machine's metadata: newer versions here require what
+# the image lacks (huggingface-hub here needs pydantic; the image has no pydantic).
+GPU_IMAGE = frozenset(
+    """
+    absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio
+    attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
+    contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x
+    cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax
+    fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
+    huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jax-
+    cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader
+    lightning lightning-utilities linear-operator lineax llvmlite lxml markdown
+    markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack
+    multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba
+    numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-
+    cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-
+    cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13
+    nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+    opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint
+    packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client
+    propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-
+    hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
+    pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu
+    safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
+    sentence-transformers setuptools shellingham simplejson six sortedcontainers
+    statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
+    threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq
+    torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
+    typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt
+    xarray xxhash yarl zipp
+    """.split()
+)
 PYTHON_VERSION = "3.12"
 PLATFORM = "manylinux_2_28_x86_64"
 BUDGET_MIB = 64  # files per call to the GPU machine: the working tree and the wheels
@@ -81,28 +109,9 @@ def imported_distributions(modules=SELFTEST_MODULES) -> set[str]:
     return {normalize(d) for d in json.loads(done.stdout.splitlines()[-1])}
 
 
-def requires_closure(names) -> set[str]:
-    """``names`` and everything they require (no extras), by this machine's metadata."""
-    seen, todo = set(), [normalize(n) for n in names]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            reqs = requires(name) or []
-        except PackageNotFoundError:
-            continue
-        for text in reqs:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(normalize(req.name))
-    return seen
-
-
 def wheels_to_ship() -> dict[str, str]:
     """``{distribution: version here}`` the selftest imports and the GPU machine lacks."""
-    missing = imported_distributions() - requires_closure(GPU_HAS) - {OWN}
+    missing = imported_distributions() - GPU_IMAGE - {OWN}
     return {name: distribution(name).version for name in sorted(missing)}
 
 
@@ -131,8 +140,8 @@ def build_own_wheel(out: Path) -> None:
 
 def gpu_command(wheel_dir: str) -> str:
     """The one command to run on the GPU machine from the repository root."""
-    install = f"python -m pip install -q --no-deps --no-index {shlex.quote(wheel_dir)}/*.whl"
-    run = f"python -m speculators_peagle_plugin.selftest {RUN_ARGS} --json {RECORD}"
+    install = f"python3 -m pip install -q --no-deps --no-index {shlex.quote(wheel_dir)}/*.whl"
+    run = f"python3 -m speculators_peagle_plugin.selftest {RUN_ARGS} --json {RECORD}"
     return f"{install} && {run}"
 
 

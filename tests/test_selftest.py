@@ -74,7 +74,7 @@ def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path
     assert len(perf) == 2, [r["argv"] for r in runs]  # one process per side
     assert not any(r["vllm"] for r in runs), "the selftest imported vLLM"
     used = {prepare_gpu.normalize(d) for r in runs for d in r["dists"]}
-    covered = set(prepare_gpu.wheels_to_ship()) | prepare_gpu.requires_closure(prepare_gpu.GPU_HAS)
+    covered = set(prepare_gpu.wheels_to_ship()) | prepare_gpu.GPU_IMAGE
     assert "speculators" in prepare_gpu.wheels_to_ship()
     assert used - covered - {prepare_gpu.OWN} == set()
 
@@ -83,13 +83,14 @@ def test_shipped_wheels_leave_out_what_the_gpu_machine_has():
     ship = prepare_gpu.wheels_to_ship()
     assert not set(ship) & {"torch", "transformers", "triton", "safetensors", "pyarrow", "numpy"}
     assert "vllm" not in ship and ship["speculators"].startswith("0.9")
+    assert "pydantic" in ship and "pydantic-core" in ship  # speculators' config; not in the image
 
 
 def test_gpu_command_installs_offline_and_runs_the_cuda_selftest():
     command_line = prepare_gpu.gpu_command("runs/gpu-wheels")
     install, run = command_line.split(" && ")
     assert "pip install" in install and "--no-deps --no-index runs/gpu-wheels/*.whl" in install
-    assert run.startswith("python -m speculators_peagle_plugin.selftest --device cuda ")
+    assert run.startswith("python3 -m speculators_peagle_plugin.selftest --device cuda ")
     assert "--shape llama8b --seq-lens 8192,32768 --json " in run
 
 
@@ -196,3 +197,42 @@ def test_longest_row_search_doubles_then_bisects_to_an_eighth():
 
     with pytest.raises(RuntimeError, match="CUBLAS"):  # any other error is not "too long"
         perf.longest_row(broken, SHAPES["tiny"], 1024, torch.device("cpu"), torch.float32, 60)
+
+
+def test_flex_that_does_not_compile_fails_its_checks_and_one_broken_check_only_itself(
+    monkeypatch,
+):
+    """On CUDA: flex attention's compile failing FAILs both flex checks (training would run
+    the slower path) and names why; an exception in one path and precision FAILs it alone."""
+    from speculators_peagle_plugin.kernels import flex
+
+    def fake(name, impl, precision, shape, device, masks):
+        if name == "attention chunked bfloat16":
+            raise RuntimeError("expected scalar type Float but found BFloat16\nmore")
+        return checks.Check(name, "PASS", "fine")
+
+    monkeypatch.setattr(checks, "_attention_check", fake)
+    monkeypatch.setattr(flex, "compile_failure", "LoweringException: TypeError: launcher()")
+    found = checks.attention_checks(SHAPES["tiny"], torch.device("cuda"), range(1), 30)
+    status = {c.name: c.status for c in found}
+    assert status == {"attention flex float32": "FAIL", "attention flex bfloat16": "FAIL",
+                      "attention chunked float32": "PASS", "attention chunked bfloat16": "FAIL"}
+    flex_detail = found[0].detail
+    assert "did not compile" in flex_detail and "LoweringException: TypeError" in flex_detail
+    assert found[3].detail == "RuntimeError: expected scalar type Float but found BFloat16"
+    assert "traceback" in found[3].data
+
+
+def test_speculators_side_whose_default_loss_fails_is_measured_with_its_eager_loss():
+    """Its fused loss has no CPU kernel, as its compiled fused loss failed under torch 2.11
+    on a GPU: the step runs its eager loss from then on and says so; the loss is finite."""
+    from speculators_peagle_plugin.selftest import perf
+
+    step = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none", loss_impl="fused")
+    row = perf.make_row(SHAPES["tiny"], 64, torch.device("cpu"), torch.float32)
+    first, second = step(row, 0), step(row, 1)
+    assert step.note.startswith("its fused loss failed here (") and "eager loss" in step.note
+    assert all(torch.isfinite(torch.tensor(x)) for x in (first, second))
+    eager = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none")
+    eager(row, 0)
+    assert eager.note is None

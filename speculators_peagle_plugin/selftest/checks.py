@@ -11,15 +11,17 @@ inputs. Errors are relative to the reference's largest entry (:func:`.report.rel
 from __future__ import annotations
 
 import copy
+import traceback
 from contextlib import nullcontext
 
 import torch
 
 from ..core.config import CODConfig
 from ..core.peagle_data import generate_cod_sample_indices
+from ..kernels import flex
 from ..kernels.attention import PeagleMask, peagle_attention
 from .oracles import brute_force_mask, dense_reference_loss, masked_attention
-from .report import Check, verdict
+from .report import FAIL, Check, verdict
 from .report import relative_error as _error
 from .rows import packed_batch, random_cod_elements
 from .shapes import NARROW_WINDOW, Shape, build_draft, trainer_for
@@ -61,42 +63,57 @@ def attention_checks(shape: Shape, device: torch.device, seeds, length: int) -> 
     """COD attention outputs and ``dq, dk, dv`` on the device vs float64 softmax attention.
 
     Paths: the one training takes on the device (flex on CUDA, the block-sparse path on
-    CPU) and, on CUDA, the block-sparse path forced as well.
+    CPU) and, on CUDA, the block-sparse path forced as well. Each path and precision is
+    its own check (an exception in one FAILs it alone). Flex attention that fails to
+    compile FAILs its checks, whatever the block-sparse path it falls back to computes:
+    training would run that slower path.
     """
     impls = ("flex", "chunked") if device.type == "cuda" else ("chunked",)
-    nh, nkv, hd = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
     masks = _oracle_masks(seeds, length)
     checks = []
     for impl in impls:
         for precision in ("float32", "bfloat16"):
-            errors, elements = {}, 0
-            for (seed, window), (anchor, depth, doc, allowed) in masks.items():
-                gen = torch.Generator().manual_seed(1000 + seed)
-                n = anchor.shape[0]
-                elements += n
-                q, k, v = (torch.randn(1, h, n, hd, generator=gen, dtype=torch.float64)
-                           for h in (nh, nkv, nkv))  # fmt: skip
-                live = allowed.any(-1)  # padding rows see nothing: no output to compare
-                grad_out = torch.randn(1, nh, n, hd, generator=gen, dtype=torch.float64)
-                grad_out[..., ~live, :] = 0
-                leaves = [t.requires_grad_() for t in (q, k, v)]
-                want = masked_attention(*leaves, allowed, hd**-0.5)
-                wants = (want, *torch.autograd.grad(want, leaves, grad_out))
-                mask = PeagleMask(anchor.to(device), depth.to(device), doc.to(device), window,
-                                  impl)  # fmt: skip
-                ins = [t.detach().float().to(device).requires_grad_() for t in (q, k, v)]
-                with _autocast(device, precision):
-                    out = peagle_attention(*ins, mask, hd**-0.5)
-                gots = (out, *torch.autograd.grad(out, ins, grad_out.to(out)))
-                for name, got, ref in zip(("out", "dq", "dk", "dv"), gots, wants, strict=True):
-                    if name == "out":
-                        got, ref = got[..., live.to(device), :], ref[..., live, :]
-                    errors[f"seed {seed} window {window} {name}"] = _error(got, ref)
-            what = (f"{len(masks)} ragged rows ({elements} elements, {nh}/{nkv} heads of "
-                    f"{hd}), outputs and gradients vs float64")  # fmt: skip
             name = f"attention {impl} {precision}"
-            checks.append(verdict(name, errors, TOLERANCE[f"attention {precision}"], what))
+            try:
+                check = _attention_check(name, impl, precision, shape, device, masks)
+            except Exception as err:  # noqa: BLE001 - whatever broke is the finding
+                why = (str(err).strip().splitlines() or [""])[0]
+                check = Check(name, FAIL, f"{type(err).__name__}: {why}",
+                              {"traceback": traceback.format_exc()})  # fmt: skip
+            if impl == "flex" and flex.compile_failure is not None:
+                check = Check(name, FAIL, "flex_attention did not compile, so training runs "
+                              f"the block-sparse path: {flex.compile_failure}", check.data)
+            checks.append(check)
     return checks
+
+
+def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Check:
+    nh, nkv, hd = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+    errors, elements = {}, 0
+    for (seed, window), (anchor, depth, doc, allowed) in masks.items():
+        gen = torch.Generator().manual_seed(1000 + seed)
+        n = anchor.shape[0]
+        elements += n
+        q, k, v = (torch.randn(1, h, n, hd, generator=gen, dtype=torch.float64)
+                   for h in (nh, nkv, nkv))  # fmt: skip
+        live = allowed.any(-1)  # padding rows see nothing: no output to compare
+        grad_out = torch.randn(1, nh, n, hd, generator=gen, dtype=torch.float64)
+        grad_out[..., ~live, :] = 0
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        want = masked_attention(*leaves, allowed, hd**-0.5)
+        wants = (want, *torch.autograd.grad(want, leaves, grad_out))
+        mask = PeagleMask(anchor.to(device), depth.to(device), doc.to(device), window, impl)
+        ins = [t.detach().float().to(device).requires_grad_() for t in (q, k, v)]
+        with _autocast(device, precision):
+            out = peagle_attention(*ins, mask, hd**-0.5)
+        gots = (out, *torch.autograd.grad(out, ins, grad_out.to(out)))
+        for part, got, ref in zip(("out", "dq", "dk", "dv"), gots, wants, strict=True):
+            if part == "out":
+                got, ref = got[..., live.to(device), :], ref[..., live, :]
+            errors[f"seed {seed} window {window} {part}"] = _error(got, ref)
+    what = (f"{len(masks)} ragged rows ({elements} elements, {nh}/{nkv} heads of "
+            f"{hd}), outputs and gradients vs float64")  # fmt: skip
+    return verdict(name, errors, TOLERANCE[f"attention {precision}"], what)
 
 
 def _run_step(draft, batch, device, seed, precision="float32", partitions=1):

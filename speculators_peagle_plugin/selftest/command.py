@@ -109,6 +109,8 @@ def _speed_checks(results: dict[str, dict]) -> list[Check]:
             n_seg = rec.get("segments")
             parts = f" ({n_seg} segment{'s' * (n_seg > 1)})" if n_seg else ""
             detail = f"{rec['tokens_per_s']:,.0f} tokens/s, peak {rec['peak_gib']:.2f} GiB{parts}"
+            if result.get("note"):
+                detail += f" ({result['note']})"
             checks.append(Check(name, PASS, detail, rec))
         if "longest_row" in result:
             row = result["longest_row"]

@@ -35,6 +35,7 @@ import time
 import torch
 
 from ..core.config import CODConfig
+from ..kernels import flex
 from ..model.build import DEFAULT_SLIDING_WINDOW
 from .shapes import SHAPES, build_draft, speculators_twin, trainer_for
 
@@ -94,8 +95,11 @@ def _ours(shape, device: torch.device, autocast: str):
     return step
 
 
-def _theirs(shape, device: torch.device, autocast: str):
-    """speculators' step as its ``Trainer`` takes it: ``step(batch, index) -> loss``."""
+def _theirs(shape, device: torch.device, autocast: str, loss_impl: str | None = None):
+    """speculators' step as its ``Trainer`` takes it: ``step(batch, index) -> loss``.
+
+    ``loss_impl``: its loss implementation [default: its own default on CUDA, its eager
+    loss on CPU, where its fused loss has no kernel]."""
     from speculators.losses import resolve_loss_config
     from speculators.train.config.schema import LossArgs
 
@@ -105,7 +109,7 @@ def _theirs(shape, device: torch.device, autocast: str):
                              "simple_flex_attention" if cuda else "sdpa")  # fmt: skip
     del ours
     model.train()
-    impl = LossArgs.model_fields["loss_implementation"].default if cuda else "eager"
+    impl = loss_impl or (LossArgs.model_fields["loss_implementation"].default if cuda else "eager")
     cod = CODConfig()
     kwargs = dict(loss_config=resolve_loss_config("kl_div", impl), max_anchors=cod.max_anchors,
                   num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
@@ -113,7 +117,7 @@ def _theirs(shape, device: torch.device, autocast: str):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
 
-    def step(batch: dict, index: int) -> float:
+    def run(batch: dict, index: int) -> float:
         torch.manual_seed(index)  # its COD sampler draws from the global generator
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast != "none"):
             _, loss, _ = model(**batch, **kwargs)
@@ -123,6 +127,21 @@ def _theirs(shape, device: torch.device, autocast: str):
         optimizer.step()
         return float(loss.detach())
 
+    def step(batch: dict, index: int) -> float:
+        """Its default loss; where that fails on this stack (not for memory), its eager
+        loss from then on, said in ``step.note``: the step is still speculators' own."""
+        try:
+            return run(batch, index)
+        except Exception as err:  # noqa: BLE001 - a broken default is the finding
+            if impl == "eager" or out_of_memory(err) or step.note:
+                raise
+            why = (str(err).strip().splitlines() or [""])[0][:200]
+            step.note = (f"its {impl} loss failed here ({type(err).__name__}: {why}); "
+                         "measured with its eager loss")  # fmt: skip
+            kwargs["loss_config"] = resolve_loss_config("kl_div", "eager")
+            return run(batch, index)
+
+    step.note = None
     return step
 
 
@@ -231,6 +250,12 @@ def measure_side(spec: dict) -> dict:
         out["lengths"][str(seq_len)] = record
     if spec["search_s"] and fitted:
         out["longest_row"] = longest_row(step, shape, fitted, device, dtype, spec["search_s"])
+    notes = [getattr(step, "note", None)]
+    if spec["side"] == "ours" and flex.compile_failure:
+        notes.append(f"flex_attention did not compile, block-sparse attention ran: "
+                     f"{flex.compile_failure}")  # fmt: skip
+    if any(notes):
+        out["note"] = "; ".join(n for n in notes if n)
     return out
 
 
