@@ -61,7 +61,9 @@ GPU_IMAGE = frozenset(
     """.split()
 )
 PYTHON_VERSION = "3.12"
-PLATFORM = "manylinux_2_28_x86_64"
+# pip matches each manylinux tag exactly: every tag the machine's glibc runs is named.
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
 BUDGET_MIB = 64  # files per call to the GPU machine: the working tree and the wheels
 # Everything the selftest imports, its lazy imports included; tests/test_selftest.py
 # checks this against what a selftest run really imports.
@@ -127,8 +129,8 @@ def tree_bytes() -> int:
 
 def download(pins: dict[str, str], out: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, "--platform", PLATFORM, "--implementation",
-           "cp", "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]  # fmt: skip
+           "--python-version", PYTHON_VERSION, *(a for p in PLATFORMS for a in ("--platform", p)),
+           "--implementation", "cp", "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]  # fmt: skip
     subprocess.run(cmd, check=True)
 
 
