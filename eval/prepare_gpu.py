@@ -128,9 +128,10 @@ def tree_bytes() -> int:
 
 
 def download(pins: dict[str, str], out: Path) -> None:
+    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, *(a for p in PLATFORMS for a in ("--platform", p)),
-           "--implementation", "cp", "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]  # fmt: skip
+           "--python-version", PYTHON_VERSION, *platforms, "--implementation", "cp",
+           "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]  # fmt: skip
     subprocess.run(cmd, check=True)
 
 

@@ -93,7 +93,7 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
 
     monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
     monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", broken)
-    monkeypatch.setattr(flex, "compile_failure", None)
+    monkeypatch.setattr(flex, "compile_failures", {})
     anchor, depth, doc = random_cod_elements(4)
     n = anchor.shape[0]
     gen = torch.Generator().manual_seed(4)
@@ -106,9 +106,13 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
     assert calls == [1]
     warnings = [r.getMessage() for r in caplog.records if "compile failed" in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0]
-    assert flex.compile_failure == "RuntimeError: inductor says no"
+    assert flex.compile_failures == {("float32", 4, 2, 16, 16): "RuntimeError: inductor says no"}
+    assert "float32, 4/2 heads of 16" in warnings[0]
     want = attention.peagle_attention(q, k, v, chunked_mask, 0.25)
     assert torch.equal(first, want) and torch.equal(second, want)
+    other = torch.randn(1, 2, n, 16, generator=gen)  # another signature: compiled again
+    attention.peagle_attention(other, other, other, flex_mask, 0.25)
+    assert calls == [1, 1] and len(flex.compile_failures) == 2
 
 
 def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypatch):
@@ -117,11 +121,11 @@ def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypat
 
     monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
     monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", out_of_memory)
-    monkeypatch.setattr(flex, "compile_failure", None)
+    monkeypatch.setattr(flex, "compile_failures", {})
     q = torch.zeros(1, 1, 4, 16)
     with pytest.raises(torch.OutOfMemoryError):
         flex._peagle_flex_attention(q, q, q, None, 1.0)
-    assert flex.compile_failure is None
+    assert flex.compile_failures == {}
 
 
 def test_compile_support_needs_cuda_and_head_dim_16():

@@ -209,16 +209,22 @@ def test_flex_that_does_not_compile_fails_its_checks_and_one_broken_check_only_i
     def fake(name, impl, precision, shape, device, masks):
         if name == "attention chunked bfloat16":
             raise RuntimeError("expected scalar type Float but found BFloat16\nmore")
+        if impl == "flex":  # what the flex path records when Inductor fails
+            flex.compile_failures[(precision, 4, 2, 64, 64)] = "LoweringException: launcher()"
         return checks.Check(name, "PASS", "fine")
 
     monkeypatch.setattr(checks, "_attention_check", fake)
-    monkeypatch.setattr(flex, "compile_failure", "LoweringException: TypeError: launcher()")
+    monkeypatch.setattr(flex, "compile_failures", {})
+    assert checks.flex_compile_check().status == "PASS"
     found = checks.attention_checks(SHAPES["tiny"], torch.device("cuda"), range(1), 30)
     status = {c.name: c.status for c in found}
     assert status == {"attention flex float32": "FAIL", "attention flex bfloat16": "FAIL",
                       "attention chunked float32": "PASS", "attention chunked bfloat16": "FAIL"}
     flex_detail = found[0].detail
-    assert "did not compile" in flex_detail and "LoweringException: TypeError" in flex_detail
+    assert "did not compile (float32, 4/2 heads of 64: LoweringException" in flex_detail
+    assert "bfloat16, 4/2" in found[1].detail and "float32, 4/2" not in found[1].detail
+    summary = checks.flex_compile_check()
+    assert summary.status == "FAIL" and "bfloat16, 4/2 heads of 64: Lowering" in summary.detail
     assert found[3].detail == "RuntimeError: expected scalar type Float but found BFloat16"
     assert "traceback" in found[3].data
 

@@ -109,7 +109,7 @@ def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
                 q, k, v = (t.float() for t in (q, k, v))
                 return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
-    if mask.impl == "flex" and flex.compile_failure is None:
+    if mask.impl == "flex" and flex.signature(q, k, v) not in flex.compile_failures:
         out = _peagle_flex_attention(q, k, v, mask.block_mask, scale)
         if out is not None:
             return out

@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 # benchmarks every template config at each new shape (minutes on a GPU) and its
 # benchmarking broke on torch 2.11 (`speculators-peagle selftest --device cuda`).
 _peagle_flex_attention_compiled = torch.compile(flex_attention, dynamic=True)
-# Why the compiled kernel failed, in one line, once it has; every later call is refused.
-compile_failure: str | None = None
+# Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
+# once it has; every later call of that signature is refused.
+compile_failures: dict[tuple, str] = {}
 
 
 def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -32,15 +33,15 @@ def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
     Args:
         q: ``[1, nh, N, hd]``; k, v: ``[1, nkv, N, hd]``; block_mask: a flex ``BlockMask``.
 
-    Returns ``None`` once compiling has failed (logged once, kept in
-    :data:`compile_failure`): eager flex attention materialises every score, which no
+    Returns ``None`` once compiling has failed for this signature (logged once, kept in
+    :data:`compile_failures`): eager flex attention materialises every score, which no
     long row fits, so the caller runs its exact block-sparse path instead.
     """
-    global compile_failure
     gqa = q.shape[1] != k.shape[1]
     if not _peagle_compile_supported(q, k, v):
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    if compile_failure is not None:
+    key = signature(q, k, v)
+    if key in compile_failures:
         return None
     try:
         return _peagle_flex_attention_compiled(
@@ -50,9 +51,20 @@ def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
         raise
     except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
         lines = str(err).strip().splitlines() or [""]
-        compile_failure = f"{type(err).__name__}: {lines[0][:300]}"
+        compile_failures[key] = f"{type(err).__name__}: {lines[0][:300]}"
         logger.warning(
-            "flex_attention compile failed (%s); the block-sparse attention runs instead.",
-            compile_failure,
-        )
+            "flex_attention compile failed for %s (%s); the block-sparse attention runs "
+            "instead.", describe(key), compile_failures[key],
+        )  # fmt: skip
         return None
+
+
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What a compile failure is remembered by: dtype, query and key-value heads, head dims."""
+    return (str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+
+
+def describe(key: tuple) -> str:
+    dtype, nh, nkv, hd, hdv = key
+    dims = f"{hd}" if hd == hdv else f"{hd}/{hdv}"
+    return f"{dtype}, {nh}/{nkv} heads of {dims}"

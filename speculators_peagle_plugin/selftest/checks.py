@@ -21,7 +21,7 @@ from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels import flex
 from ..kernels.attention import PeagleMask, peagle_attention
 from .oracles import brute_force_mask, dense_reference_loss, masked_attention
-from .report import FAIL, Check, verdict
+from .report import FAIL, PASS, Check, verdict
 from .report import relative_error as _error
 from .rows import packed_batch, random_cod_elements
 from .shapes import NARROW_WINDOW, Shape, build_draft, trainer_for
@@ -74,17 +74,34 @@ def attention_checks(shape: Shape, device: torch.device, seeds, length: int) -> 
     for impl in impls:
         for precision in ("float32", "bfloat16"):
             name = f"attention {impl} {precision}"
+            failed_before = dict(flex.compile_failures)
             try:
                 check = _attention_check(name, impl, precision, shape, device, masks)
             except Exception as err:  # noqa: BLE001 - whatever broke is the finding
                 why = (str(err).strip().splitlines() or [""])[0]
                 check = Check(name, FAIL, f"{type(err).__name__}: {why}",
                               {"traceback": traceback.format_exc()})  # fmt: skip
-            if impl == "flex" and flex.compile_failure is not None:
-                check = Check(name, FAIL, "flex_attention did not compile, so training runs "
-                              f"the block-sparse path: {flex.compile_failure}", check.data)
+            new = flex_failures_since(failed_before)
+            if impl == "flex" and new:
+                check = Check(name, FAIL, f"flex_attention did not compile ({new}), so "
+                              "training runs the block-sparse path", check.data)  # fmt: skip
             checks.append(check)
     return checks
+
+
+def flex_failures_since(before: dict) -> str:
+    """The flex compile failures recorded since ``before``, one line ('' if none)."""
+    new = {k: v for k, v in flex.compile_failures.items() if k not in before}
+    return "; ".join(f"{flex.describe(k)}: {why}" for k, why in new.items())
+
+
+def flex_compile_check() -> Check:
+    """CUDA: whether every flex-attention call of the run compiled (training's fast path)."""
+    if not flex.compile_failures:
+        return Check("flex_attention compiled", PASS, "every flex-attention call compiled")
+    why = flex_failures_since({})
+    return Check("flex_attention compiled", FAIL, f"{why}; those calls ran the block-sparse "
+                 "path, slower than flex", {"failures": list(flex.compile_failures.values())})
 
 
 def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Check:

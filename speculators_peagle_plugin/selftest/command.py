@@ -135,7 +135,7 @@ def ratio_lines(results: dict[str, dict]) -> list[str]:
 
 def run_selftest(options: Options, echo=click.echo) -> dict:
     """Every check on ``options.device``; returns the record (``passed``: no FAIL)."""
-    from .checks import attention_checks, step_checks
+    from .checks import attention_checks, flex_compile_check, step_checks
     from .distributed import distributed_checks
 
     info = stack(options.device)
@@ -184,6 +184,8 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
                 return _speed_checks({side: results[side]})
 
             report(f"step {side}", measure)
+        if device.type == "cuda":
+            report("flex_attention compiled", lambda: [flex_compile_check()])
         record["ratios"] = ratio_lines(results)
         for line in record["ratios"]:
             echo(line)

@@ -251,9 +251,9 @@ def measure_side(spec: dict) -> dict:
     if spec["search_s"] and fitted:
         out["longest_row"] = longest_row(step, shape, fitted, device, dtype, spec["search_s"])
     notes = [getattr(step, "note", None)]
-    if spec["side"] == "ours" and flex.compile_failure:
-        notes.append(f"flex_attention did not compile, block-sparse attention ran: "
-                     f"{flex.compile_failure}")  # fmt: skip
+    if spec["side"] == "ours" and flex.compile_failures:
+        why = "; ".join(f"{flex.describe(k)}: {v}" for k, v in flex.compile_failures.items())
+        notes.append(f"flex_attention did not compile ({why}); block-sparse attention ran")
     if any(notes):
         out["note"] = "; ".join(n for n in notes if n)
     return out
