@@ -13,10 +13,11 @@ from torch.nn.attention.flex_attention import flex_attention
 
 logger = logging.getLogger(__name__)
 
-# Inductor's default mode, as vLLM and attention-gym compile flex attention: max-autotune
-# benchmarks every template config at each new shape (minutes on a GPU) and its
-# benchmarking broke on torch 2.11 (`speculators-peagle selftest --device cuda`).
-_peagle_flex_attention_compiled = torch.compile(flex_attention, dynamic=True)
+# Inductor's default mode and automatic dynamic shapes, as speculators compiles its
+# forward: max-autotune benchmarks every template config at each new shape (minutes on a
+# GPU) and its benchmarking broke on torch 2.11; with every dimension forced dynamic, a
+# later compile found no valid flex config there (`speculators-peagle selftest --device cuda`).
+_peagle_flex_attention_compiled = torch.compile(flex_attention)
 # Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
 # once it has; every later call of that signature is refused.
 compile_failures: dict[tuple, str] = {}
