@@ -2,9 +2,10 @@
 
 ``tests/golden/cli_help.txt`` is ``--help`` of every command as it was before the
 configs became sections (rewrite it with ``python tests/test_cli_help.py`` only when a
-flag is meant to change): each option keeps its spelling, metavar, default shown and
-required mark. A command may gain ``--config`` (a YAML of its settings) and the group may
-gain commands; nothing else may appear or go.
+flag is meant to change): each option keeps its names, choices, the default its help
+shows and its required mark (a metavar such as ``INT`` or ``INTEGER`` may change). A
+command may gain ``--config`` (a YAML of its settings) and the group may gain commands;
+nothing else may appear or go.
 """
 
 import re
@@ -21,7 +22,7 @@ COMMANDS = ["", "algorithms", "generate-data", "train", "check", "export", "eval
 # Wide enough that click never wraps a help text (it still moves a long option's text to
 # the next line); the golden file was rendered the same way.
 WIDTH = 10_000
-ADDED_OPTIONS = {"--config FILE"}
+ADDED_OPTIONS = {("--config",)}
 HEADER = re.compile(r"^=== speculators-peagle (.*)--help ===$", re.M)
 
 
@@ -39,8 +40,8 @@ def golden() -> dict[str, str]:
     return {name.strip(): text for name, text in zip(parts[::2], parts[1::2], strict=True)}
 
 
-def options(text: str) -> dict[str, tuple[str | None, bool]]:
-    """``{option declaration: (default shown, required)}`` of one ``--help`` text."""
+def options(text: str) -> dict[tuple[str, ...], tuple[str | None, bool, str | None]]:
+    """``{option names: (default shown, required, choices)}`` of one ``--help`` text."""
     section = text.split("\nOptions:\n", 1)[1].split("\nCommands:\n", 1)[0]
     entries: list[list[str]] = []
     for line in section.splitlines():
@@ -52,7 +53,13 @@ def options(text: str) -> dict[str, tuple[str | None, bool]]:
     found = {}
     for decl, help_text in entries:
         defaults = re.findall(r"\[default: ([^\]]*)\]", help_text)
-        found[decl] = (defaults[-1] if defaults else None, "[required]" in help_text)
+        names = tuple(re.findall(r"(?:^|[ ,/])(--?[\w-]+)", decl))
+        choices = re.search(r"\[([^\]]*\|[^\]]*)\]", decl)
+        found[names] = (
+            defaults[-1] if defaults else None,
+            "[required]" in help_text,
+            choices and choices.group(1),
+        )
     return found
 
 
