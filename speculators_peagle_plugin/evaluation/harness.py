@@ -55,7 +55,7 @@ def evaluate(
 
     checks = _check_drafts(config, echo)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
-    prompt_sets = [load_prompt_set(spec) for spec in config.prompt_sets]
+    prompt_sets = [load_prompt_set(spec) for spec in config.sweep.prompt_sets]
     prompts = {p.name: render_prompts(tokenizer, p) for p in prompt_sets}
     jobs = _jobs(config, prompts)
     out_dir = Path(config.output_dir)
@@ -75,7 +75,7 @@ def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
     kept = {}
     for draft in config.drafts:
         findings = check_checkpoint(
-            draft, config.target, num_speculative_tokens=max(config.ks), device=device
+            draft, config.target, num_speculative_tokens=max(config.sweep.ks), device=device
         )
         errors = [f for f in findings if f.severity == "error"]
         if errors:
@@ -108,27 +108,28 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
     concurrency in flight itself."""
     drafts = ([None] if config.baseline else []) + list(config.drafts)
     names = [Path(d).name for d in config.drafts]
+    sweep = config.sweep
     jobs = []
     for draft in drafts:
         label = "no draft" if draft is None else Path(draft).name
         if draft is not None and names.count(label) > 1:
             label = str(draft)  # two checkpoints with one directory name
         for k, c, (name, ids) in itertools.product(
-            [0] if draft is None else config.ks, config.concurrency, prompts.items()
+            [0] if draft is None else sweep.ks, sweep.concurrency, prompts.items()
         ):
             engine = VllmJob(
                 target=str(Path(config.target).resolve()),
                 draft=None if draft is None else str(Path(draft).resolve()),
                 num_speculative_tokens=k or None,
-                prompts=ids[: config.prompts_per_slot * c] if config.prompts_per_slot else ids,
-                max_tokens=config.max_new_tokens,
+                prompts=ids[: sweep.prompts_per_slot * c] if sweep.prompts_per_slot else ids,
+                max_tokens=sweep.max_new_tokens,
                 batch_size=c,
-                max_num_seqs=max(config.concurrency),
+                max_num_seqs=max(sweep.concurrency),
                 ignore_eos=config.ignore_eos,
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 seed=config.seed,
-                enforce_eager=config.enforce_eager,
+                enforce_eager=sweep.enforce_eager,
             )
             jobs.append(_Job(name, label, engine))
     return jobs

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import CODConfig, check_int_at_least
+from ..core.config import CODConfig, PEagleConfig
 from ..core.peagle_attention import lengths_from_document_ids
 from ..core.peagle_data import generate_cod_sample_indices
-from ..kernels.fused_kl import fused_linear_kl
+from ..kernels.fused_kl import LossConfig, fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
 from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
@@ -78,15 +78,11 @@ class PEagleTrainerModule(torch.nn.Module):
         greedy_chains: bool = False,
     ):
         super().__init__()
-        self.cod = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
-        if not 0 <= hard_label_weight <= 1:
-            raise ValueError(f"hard_label_weight must be in [0, 1], got {hard_label_weight!r}.")
-        self.hard_label_weight = float(hard_label_weight)
-        if not tv_weight >= 0:
-            raise ValueError(f"tv_weight must be >= 0, got {tv_weight!r}.")
-        self.tv_weight = float(tv_weight)
-        self.greedy_chains = bool(greedy_chains)
-        self.sequence_partitions = check_int_at_least("sequence_partitions", sequence_partitions, 1)
+        self.peagle = PEagleConfig(
+            num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors,
+            sequence_partitions, greedy_chains,
+        )  # fmt: skip
+        self.loss_config = LossConfig(hard_label_weight, tv_weight)
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
                 "draft_model has no learnable mask_hidden parameter; P-EAGLE needs a draft "
@@ -116,9 +112,21 @@ class PEagleTrainerModule(torch.nn.Module):
             "selected_token_mask", torch.as_tensor(selected_token_mask).bool(), persistent=False
         )
 
+    @classmethod
+    def from_config(cls, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+                    config) -> PEagleTrainerModule:  # fmt: skip
+        """The module for a config's ``peagle`` and ``loss`` sections (a TrainConfig's)."""
+        p, loss = config.peagle, config.loss
+        return cls(
+            draft_model, selected_token_ids, selected_token_mask, p.num_depths, mask_token_id,
+            p.down_sample_ratio, p.down_sample_ratio_min, p.sequence_partitions,
+            max_anchors=p.max_anchors, greedy_chains=p.greedy_chains,
+            hard_label_weight=loss.hard_label_weight, tv_weight=loss.tv_weight,
+        )  # fmt: skip
+
     @property
     def num_depths(self) -> int:
-        return self.cod.num_depths
+        return self.peagle.num_depths
 
     # ---- batch plumbing ------------------------------------------------------
 
@@ -128,11 +136,11 @@ class PEagleTrainerModule(torch.nn.Module):
         return generate_cod_sample_indices(
             doc_row.shape[0],
             loss_mask_row,
-            self.cod.num_depths,
-            self.cod.down_sample_ratio,
-            self.cod.down_sample_ratio_min,
+            self.peagle.num_depths,
+            self.peagle.down_sample_ratio,
+            self.peagle.down_sample_ratio_min,
             document_ids=doc_row,
-            max_anchors=self.cod.max_anchors,
+            max_anchors=self.peagle.max_anchors,
             generator=self.generator,
             path_mask=greedy_row,
         )
@@ -151,7 +159,7 @@ class PEagleTrainerModule(torch.nn.Module):
         the draft holds has only their columns), from ``target_logits`` or from
         ``verifier_last_hidden_states``: a token outside it can never be drafted.
         """
-        if not self.greedy_chains:
+        if not self.peagle.greedy_chains:
             return None
         steps = torch.zeros_like(input_ids, dtype=torch.bool)
         chunk = 1024  # [chunk, V_d] logits at a time
@@ -246,10 +254,10 @@ class PEagleTrainerModule(torch.nn.Module):
             draft.lm_head.weight,
             targets,
             target_rows,
-            self.hard_label_weight,
-            self.tv_weight,
+            self.loss_config.hard_label_weight,
+            self.loss_config.tv_weight,
         )
-        k = self.cod.num_depths
+        k = self.peagle.num_depths
         with torch.no_grad():
             correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
             valid = torch.bincount(depth[rows], minlength=k)[:k].to(kl_sum.dtype)
@@ -365,7 +373,8 @@ class PEagleTrainerModule(torch.nn.Module):
             anchor, depth = self._sample_row(loss_mask[b], doc, row(greedy_steps, b))
             supervised = supervised_elements(loss_mask[b], doc, anchor + depth)
             total += int(supervised.sum())
-            units += row_units(b, anchor, depth, supervised, doc, self.sequence_partitions, reach)
+            segments = self.peagle.sequence_partitions
+            units += row_units(b, anchor, depth, supervised, doc, segments, reach)
         return _PeaglePlan(units, torch.tensor(float(total)), docs)
 
     def segments(self, batch: dict) -> list:
@@ -375,7 +384,7 @@ class PEagleTrainerModule(torch.nn.Module):
         ``(plan, i)`` per unit of :meth:`build_peagle_plan`, possibly none. The caller
         passes each as :meth:`forward_batch`'s ``peagle_segment``.
         """
-        if self.sequence_partitions == 1:
+        if self.peagle.sequence_partitions == 1:
             return [None]
         greedy = self.greedy_steps(
             batch["input_ids"], verifier_last_hidden_states=batch["verifier_last_hidden_states"]
