@@ -236,7 +236,7 @@ def test_bfloat16_is_used_only_where_the_cpu_has_it_natively(
 def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
     """The full demo's eval runs engines as `vllm serve` does, a setting of its eval stage."""
     cli, _, yaml, _ = fake_pipeline
-    assert demo.DemoConfig.eval_enforce_eager is False
+    assert demo.DemoConfig().sweep.enforce_eager is False
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
                                eval_enforce_eager=False)  # fmt: skip
     demo.run_demo(config, echo=lambda line: None)
@@ -299,7 +299,7 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
     ("overrides", "sentence"),
     [
         ({"gen_backend": "tgi"}, "gen_backend must be one of transformers, vllm, got 'tgi'."),
-        ({"temperature": 0.0}, "temperature must be >= 0, and > 0 with num_samples > 1; got 0.0."),
+        ({"temperature": 0.0}, "num_samples 5 needs temperature > 0: greedy replies to the same"),
         ({"temperature": -1.0, "num_samples": 1}, "got -1.0."),
         ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0."),
         (
@@ -310,7 +310,7 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
 )
 def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
     with pytest.raises(ValueError, match=re.escape(sentence)):
-        demo.DemoConfig(**overrides)
+        demo.DemoConfig.from_sources(**overrides)
 
 
 # ----------------------------------------------------------------- recipes
@@ -342,8 +342,8 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     assert FakeCli._opt(train, "--early-stop-patience") == "2"
     served = run_dir / "trained-draft" / "model.safetensors"
     assert served.read_text() == "best model.safetensors"
-    assert built[0].validation_data_path == FakeCli._opt(validation, "--output")
-    assert built[0].early_stop_patience == 2
+    assert built[0].data.validation_data_path == FakeCli._opt(validation, "--output")
+    assert built[0].trainer.early_stop_patience == 2
     assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
         "humaneval[120:164]", "mt_bench"
     ]  # fmt: skip
@@ -359,10 +359,10 @@ def test_the_long_recipe_trains_on_ten_times_the_demos_prompts_none_held_out():
     from speculators_peagle_plugin.data.prompts import load_prompt_set
 
     config = demo.DemoConfig.from_recipe(RECIPE)
-    assert config.num_samples == 1 and config.max_prompt_tokens == 300
+    assert config.replies.num_samples == 1 and config.max_prompt_tokens == 300
     (spec,) = config.train_prompts
     assert len(load_prompt_set(spec)) >= 10 * 220
-    assert not set(config.eval_prompts) & set(config.validation_prompts)
+    assert not set(config.sweep.prompt_sets) & set(config.validation_prompts)
 
 
 def test_a_prompt_filter_leaves_out_what_it_rejects(tmp_path):

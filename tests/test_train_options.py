@@ -133,8 +133,9 @@ def test_more_depths_trained_than_served_and_a_hard_label_loss(workdir, tmp_path
     assert "past the 3 depths" in depth_warnings(4)[0].message
     module = build_training(config_for(workdir, tmp_path / "knobs", hard_label_weight=0.25,
                                        tv_weight=0.75, greedy_chains=True)).module  # fmt: skip
-    assert (module.hard_label_weight, module.tv_weight, module.greedy_chains) == (0.25, 0.75, True)
-    assert not build_training(config_for(workdir, tmp_path / "plain")).module.greedy_chains
+    loss, greedy = module.loss_config, module.peagle.greedy_chains
+    assert (loss.hard_label_weight, loss.tv_weight, greedy) == (0.25, 0.75, True)
+    assert not build_training(config_for(workdir, tmp_path / "plain")).module.peagle.greedy_chains
 
 
 def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdir, tmp_path):
