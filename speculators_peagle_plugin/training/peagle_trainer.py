@@ -133,17 +133,12 @@ class PEagleTrainerModule(torch.nn.Module):
     def _sample_row(self, loss_mask_row, doc_row, greedy_row=None):
         """The row's COD elements ``(anchor_pos, depth)``; ``greedy_row`` ``[L]`` (from
         :meth:`greedy_steps`) keeps the rollouts on the target's greedy path."""
+        p = self.peagle
         return generate_cod_sample_indices(
-            doc_row.shape[0],
-            loss_mask_row,
-            self.peagle.num_depths,
-            self.peagle.down_sample_ratio,
-            self.peagle.down_sample_ratio_min,
-            document_ids=doc_row,
-            max_anchors=self.peagle.max_anchors,
-            generator=self.generator,
-            path_mask=greedy_row,
-        )
+            doc_row.shape[0], loss_mask_row, p.num_depths, p.down_sample_ratio,
+            p.down_sample_ratio_min, document_ids=doc_row, max_anchors=p.max_anchors,
+            generator=self.generator, path_mask=greedy_row,
+        )  # fmt: skip
 
     @torch.no_grad()
     def greedy_steps(
@@ -249,14 +244,11 @@ class PEagleTrainerModule(torch.nn.Module):
         positions, target_rows = torch.unique(orig_positions[rows], return_inverse=True)
         with torch.no_grad():
             targets = self._targets(positions, target_logits_row, verifier_row)
+        loss = self.loss_config
         kl_sum, hits = fused_linear_kl(
-            draft.lm_head_inputs(hidden),
-            draft.lm_head.weight,
-            targets,
-            target_rows,
-            self.loss_config.hard_label_weight,
-            self.loss_config.tv_weight,
-        )
+            draft.lm_head_inputs(hidden), draft.lm_head.weight, targets, target_rows,
+            loss.hard_label_weight, loss.tv_weight,
+        )  # fmt: skip
         k = self.peagle.num_depths
         with torch.no_grad():
             correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
@@ -291,21 +283,13 @@ class PEagleTrainerModule(torch.nn.Module):
         """
         if peagle_segment is not None:
             return self._forward_peagle_segment(
-                input_ids,
-                attention_mask,
-                aux_hidden_states,
-                target_logits,
-                peagle_segment,
+                input_ids, attention_mask, aux_hidden_states, target_logits, peagle_segment,
                 verifier_last_hidden_states=verifier_last_hidden_states,
-            )
+            )  # fmt: skip
         check_batch_shapes(
-            input_ids,
-            loss_mask,
-            aux_hidden_states,
-            target_logits,
-            verifier_last_hidden_states,
+            input_ids, loss_mask, aux_hidden_states, target_logits, verifier_last_hidden_states,
             self.draft.fc.in_features,
-        )
+        )  # fmt: skip
         docs = batch_document_ids(input_ids, attention_mask, document_ids)
         seq_len = input_ids.shape[1]
         greedy = self.greedy_steps(input_ids, target_logits, verifier_last_hidden_states)
@@ -313,20 +297,11 @@ class PEagleTrainerModule(torch.nn.Module):
         for b in range(input_ids.shape[0]):
             anchor, depth = self._sample_row(loss_mask[b], docs[b], row(greedy, b))
             ref = anchor + depth
-            parts.append(
-                self._peagle_position_loss(
-                    input_ids[b],
-                    aux_hidden_states[b],
-                    row(target_logits, b),
-                    anchor,
-                    depth,
-                    ref,
-                    supervised_elements(loss_mask[b], docs[b], ref),
-                    lengths_from_document_ids(docs[b]),
-                    seq_len,
-                    verifier_row=row(verifier_last_hidden_states, b),
-                )
-            )
+            parts.append(self._peagle_position_loss(
+                input_ids[b], aux_hidden_states[b], row(target_logits, b), anchor, depth, ref,
+                supervised_elements(loss_mask[b], docs[b], ref), lengths_from_document_ids(docs[b]),
+                seq_len, verifier_row=row(verifier_last_hidden_states, b),
+            ))  # fmt: skip
         num, den, correct, valid = (torch.stack(x).sum(0) for x in zip(*parts, strict=True))
         return PEagleStepMetrics(num / den.clamp(min=1), num.detach(), correct, valid, den)
 
@@ -334,15 +309,10 @@ class PEagleTrainerModule(torch.nn.Module):
         """Forward on speculators' packed batch (``input_ids``, ``hidden_states``,
         ``verifier_last_hidden_states``, ``loss_mask``, ``document_ids``)."""
         return self(
-            batch["input_ids"],
-            None,
-            batch["loss_mask"],
-            batch["hidden_states"],
-            None,
-            peagle_segment,
-            document_ids=batch.get("document_ids"),
+            batch["input_ids"], None, batch["loss_mask"], batch["hidden_states"], None,
+            peagle_segment, document_ids=batch.get("document_ids"),
             verifier_last_hidden_states=batch["verifier_last_hidden_states"],
-        )
+        )  # fmt: skip
 
     # ---- sequence partitioning --------------------------------------------------
 
