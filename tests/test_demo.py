@@ -54,7 +54,7 @@ def test_training_prompts_are_the_demos_and_held_out_sets_are_disjoint(tmp_path)
 
     config = demo.DemoConfig(run_dir=str(tmp_path))
     path = tmp_path / "p.jsonl"
-    assert demo.write_prompts(config.train_prompts, config.eval_prompts, path) == 220
+    assert demo.write_prompts(config.train_prompts, config.sweep.prompt_sets, path) == 220
     rows = load_prompts(path)  # what generate-data reads
     assert rows[0] == load_prompt_set("humaneval[0:1]").conversations[0]
     assert rows[120] == load_prompt_set("chat[0:1]").conversations[0]
@@ -189,13 +189,13 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
     gen, train, check, evaluate = cli.commands
     assert FakeCli._opt(gen, "--target") == str(target)
-    assert FakeCli._opt(gen, "--max-new-tokens") == str(config.max_new_tokens)
+    assert FakeCli._opt(gen, "--max-new-tokens") == str(config.replies.max_new_tokens)
     assert FakeCli._opt(train, "--config") == str(yaml)
     assert FakeCli._opt(train, "--max-steps") == "2"
     assert FakeCli._opt(train, "--data-path") == FakeCli._opt(gen, "--output")
     assert check[1] == str(run_dir / "trained-draft") and FakeCli._opt(check, "-k") == "4"
     assert FakeCli._opt(evaluate, "--draft", all_=True) == [str(run_dir / "trained-draft")]
-    assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.eval_prompts)
+    assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.sweep.prompt_sets)
     assert FakeCli._opt(evaluate, "-k") == "2" and FakeCli._opt(evaluate, "--concurrency") == "1,2"
     assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
     assert "--enforce-eager" in evaluate  # the quick demo's engines skip compiling

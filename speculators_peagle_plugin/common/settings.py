@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, get_args, get_origin, get_type_hints
 
 from .reading import read_yaml_mapping
@@ -163,6 +163,8 @@ def _coerce(name: str, value, hint):
         return value
     if hint in (str, bool) and isinstance(value, hint):
         return value
+    if hint is str and isinstance(value, PurePath):  # a path given from code
+        return str(value)
     fail(name, value, f"of type {hint.__name__}")
 
 
