@@ -92,7 +92,8 @@ def _value(leaf: Leaf, given):
             return tuple(int(t) for t in given.replace(",", " ").split())
         return base(given)
     except ValueError:
-        kind = "a comma-separated list of integers" if get_origin(base) is tuple else "valid"
+        kinds = {int: "an integer", float: "a number"}
+        kind = kinds.get(base, "a comma-separated list of integers")
         raise ValueError(f"{leaf.flag} {given!r} is not {kind}.") from None
 
 
