@@ -200,8 +200,8 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
     assert "--enforce-eager" in evaluate  # the quick demo's engines skip compiling
     # The untrained draft is built from the very config the train command used.
-    assert built[0].data_path == FakeCli._opt(train, "--data-path")
-    assert built[0].num_depths == 4 and built[0].max_steps == 2
+    assert built[0].data.data_path == FakeCli._opt(train, "--data-path")
+    assert built[0].peagle.num_depths == 4 and built[0].trainer.max_steps == 2
     assert (run_dir / "trained-draft" / "model.safetensors").read_text() == "model.safetensors"
     assert not (run_dir / "trained-draft" / "training_state.pt").exists()
     assert summary["acceptance"]["humaneval[120:122]"]["K=2"]["acceptance_length"] == 2.3

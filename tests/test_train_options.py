@@ -5,7 +5,6 @@ verifier, and a verifier the data does not fit."""
 import json
 import os
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -151,14 +150,14 @@ def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdi
     config = config_for(workdir, tmp_path / "unused")
     early, late = (checkpoint_dirs(tmp_path / s)[-1] for s in ("1", "20"))
     flat = heldout_metrics(late, config, workdir / "data", seed=5)
-    split = heldout_metrics(late, replace(config, sequence_partitions=3), workdir / "data", seed=5)
+    split = heldout_metrics(late, config.replace(sequence_partitions=3), workdir / "data", seed=5)
     assert flat["supervised"] == split["supervised"]
     assert flat["accuracy_per_depth"] == pytest.approx(split["accuracy_per_depth"], abs=1e-12)
     assert flat["loss"] == pytest.approx(split["loss"], rel=1e-5)
     assert heldout_metrics(late, config, workdir / "data", seed=5) == flat
     # a recipe that trained on greedy rollouts is still scored on every rollout
     assert (
-        heldout_metrics(late, replace(config, greedy_chains=True), workdir / "data", seed=5) == flat
+        heldout_metrics(late, config.replace(greedy_chains=True), workdir / "data", seed=5) == flat
     )
     data = open_training_data(workdir / "data", draft_vocab_size=DRAFT_VOCAB)
     assert flat["supervised"][0] == data.num_loss_tokens
