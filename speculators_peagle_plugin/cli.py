@@ -16,6 +16,7 @@ from .demo.pipeline import run_demo
 from .evaluation.config import EvalConfig
 from .evaluation.harness import evaluate
 from .options import config_command
+from .selftest.command import selftest
 from .serving.check import CheckConfig, check_checkpoint
 from .serving.export import ExportConfig, export_checkpoint
 from .training.algorithm import discover_algorithms
@@ -30,6 +31,9 @@ __all__ = ["main"]
 @click.version_option(version("speculators-peagle-plugin"), prog_name="speculators-peagle")
 def main() -> None:
     """Train P-EAGLE speculative-decoding drafts and prove them in vLLM."""
+
+
+main.add_command(selftest)
 
 
 @main.command()

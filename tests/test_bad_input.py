@@ -1,5 +1,5 @@
 """Bad input as a new user meets it (issue 22): one sentence, a non-zero exit, nothing
-half-written, no code run. ``eval/RESULTS.md`` ("Bad input") lists each case and its test."""
+half-written, no code run. ``docs/bad_input.md`` lists each case and its test."""
 
 import errno
 import json

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.demo import pipeline as demo
+from speculators_peagle_plugin.serving.model_card import CARD_FILE, read_card, write_model_card
 
 # ----------------------------------------------------------------- pipeline.py stages
 
@@ -77,6 +78,20 @@ def test_link_draft_keeps_only_the_servable_files(tmp_path):
         ckpt / "model.safetensors"
     ).read_bytes()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_the_linked_draft_keeps_its_model_card_naming_itself(tmp_path):
+    ckpt = tmp_path / "checkpoint-7"
+    ckpt.mkdir()
+    config = {"speculators_config": {"verifier": {"name_or_path": "/t"},
+                                     "proposal_methods": [{"speculative_tokens": 4}]}}  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(config))
+    write_model_card(ckpt, {"steps": 7})
+    demo.link_draft(ckpt, tmp_path / "draft")
+    front, body = read_card(tmp_path / "draft")
+    assert front["peagle"]["speculative_tokens"] == 4 and "7 optimizer steps" in body
+    assert f'"model": "{(tmp_path / "draft").resolve()}"' in body
+    assert f'"model": "{ckpt.resolve()}"' in (ckpt / CARD_FILE).read_text()  # not rewritten
 
 
 def test_a_failing_command_names_its_stage(monkeypatch):

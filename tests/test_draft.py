@@ -6,18 +6,18 @@ import logging
 
 import pytest
 import torch
-from helpers.oracles import masked_attention
 from safetensors.torch import load_file
 from speculators.model import SpeculatorModel
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
 from test_trainer import packed_batch, trainer
 from tiny import MASK_TOKEN, tiny_config, tiny_draft, tiny_target
 
-from speculators_peagle_plugin import generate_cod_sample_indices
 from speculators_peagle_plugin.kernels import attention, block_sparse, flex
 from speculators_peagle_plugin.kernels.fused_ops import _RMSNormFunction
 from speculators_peagle_plugin.model import peagle_draft as draft_module
 from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
+from speculators_peagle_plugin.selftest.oracles import masked_attention
+from speculators_peagle_plugin.selftest.rows import random_cod_elements
 
 
 def saved_weights(path):
@@ -82,27 +82,50 @@ def test_unknown_attention_impl_is_a_value_error():
         trainer(draft, ids, t2d).forward_batch(packed_batch(0, dtype=torch.float32))
 
 
-def test_compile_failure_logs_once_and_falls_back_to_eager(monkeypatch, caplog):
+def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, caplog):
+    """A failed compile is one warning line; that call and every later one run the exact
+    block-sparse path (eager flex would materialise every score), never the compiler again."""
     calls = []
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("inductor says no")
+        raise RuntimeError("inductor says no\n  target: flex_attention\n  args[0]: ...")
 
     monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
     monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", broken)
-    monkeypatch.setattr(flex, "_peagle_flex_attention_compile_failed", False)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
-    block = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 130, 130, device="cpu")
+    monkeypatch.setattr(flex, "compile_failures", {})
+    anchor, depth, doc = random_cod_elements(4)
+    n = anchor.shape[0]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h in (4, 2, 2))
+    flex_mask = attention.PeagleMask(anchor, depth, doc, 5, "flex")
+    chunked_mask = attention.PeagleMask(anchor, depth, doc, 5, "chunked")
     with caplog.at_level(logging.WARNING):
-        first = flex._peagle_flex_attention(q, k, v, block, 0.25)
-        second = flex._peagle_flex_attention(q, k, v, block, 0.25)
+        first = attention.peagle_attention(q, k, v, flex_mask, 0.25)
+        second = attention.peagle_attention(q, k, v, flex_mask, 0.25)
     assert calls == [1]
-    assert sum("compile failed" in r.message for r in caplog.records) == 1
-    want = flex_attention(q, k, v, block_mask=block, scale=0.25)
+    warnings = [r.getMessage() for r in caplog.records if "compile failed" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert flex.compile_failures == {("float32", 4, 2, 16, 16): "RuntimeError: inductor says no"}
+    assert "float32, 4/2 heads of 16" in warnings[0]
+    want = attention.peagle_attention(q, k, v, chunked_mask, 0.25)
     assert torch.equal(first, want) and torch.equal(second, want)
+    other = torch.randn(1, 2, n, 16, generator=gen)  # another signature: compiled again
+    attention.peagle_attention(other, other, other, flex_mask, 0.25)
+    assert calls == [1, 1] and len(flex.compile_failures) == 2
+
+
+def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", out_of_memory)
+    monkeypatch.setattr(flex, "compile_failures", {})
+    q = torch.zeros(1, 1, 4, 16)
+    with pytest.raises(torch.OutOfMemoryError):
+        flex._peagle_flex_attention(q, q, q, None, 1.0)
+    assert flex.compile_failures == {}
 
 
 def test_compile_support_needs_cuda_and_head_dim_16():
@@ -111,26 +134,6 @@ def test_compile_support_needs_cuda_and_head_dim_16():
 
 
 # ------------------------------------------------- block-sparse CPU attention vs dense
-
-
-def random_cod_elements(seed, length=71, num_depths=5, drop_context=False):
-    """A COD sample of a ragged packed row (several documents, padding); optionally
-    with random elements removed, so some rows lose their own anchor (an empty
-    context band under a short window) and some rollouts have gaps."""
-    gen = torch.Generator().manual_seed(seed)
-    used = length - int(torch.randint(0, 9, (1,), generator=gen))
-    cuts = sorted(torch.randperm(used - 2, generator=gen)[:3].add(1).tolist())
-    doc = torch.full((length,), -1, dtype=torch.long)
-    for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, used], strict=True)):
-        doc[s:e] = i
-    loss_mask = (torch.rand(length, generator=gen) < 0.85).long()
-    anchor, depth = generate_cod_sample_indices(
-        length, loss_mask, num_depths, 0.9, 0.4, document_ids=doc, generator=gen
-    )
-    if drop_context:  # also leaves gaps in rollouts
-        keep = torch.rand(anchor.shape, generator=gen) < torch.where(depth == 0, 0.6, 0.8)
-        anchor, depth = anchor[keep], depth[keep]
-    return anchor, depth, doc
 
 
 @pytest.mark.parametrize("seed,heads", [(0, (4, 2)), (1, (3, 3)), (2, (6, 2)), (3, (4, 1))])
@@ -304,3 +307,29 @@ def test_cuda_flex_path_matches_chunked_path_with_gradients():
             {n: p.grad.cpu() for n, p in draft.named_parameters() if p.grad is not None},
         )
     assert torch.equal(results["flex"][0].valid.cpu(), results["chunked"][0].valid)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_sparse_matmul_band_runs_bfloat16_inputs(monkeypatch, seed):
+    """The band path of other devices (CUDA) on bfloat16 ``q, k, v``, as autocast hands them
+    over there: outputs and gradients in bfloat16, within bfloat16 rounding of float64."""
+    monkeypatch.setattr(block_sparse, "CHUNK_ANCHORS", 8)
+    monkeypatch.setattr(block_sparse, "_cpu_flash", lambda t: False)
+    anchor, depth, doc = random_cod_elements(7 + seed)
+    mask = attention.PeagleMask(anchor, depth, doc, 3 + seed, "chunked")
+    n = anchor.shape[0]
+    idx = torch.arange(n)
+    allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
+    gen = torch.Generator().manual_seed(20 + seed)
+    q64, k64, v64 = (torch.randn(1, h, n, 32, generator=gen, dtype=torch.float64).requires_grad_()
+                     for h in (4, 2, 2))  # fmt: skip
+    grad_out = torch.randn(1, 4, n, 32, generator=gen, dtype=torch.float64)
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+    out = attention.peagle_attention(q, k, v, mask, 32**-0.5)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.bfloat16())
+    want = masked_attention(q64, k64, v64, allowed, 32**-0.5)
+    wants = (want.detach(), *torch.autograd.grad(want, (q64, k64, v64), grad_out))
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), wants, strict=True):
+        assert got.dtype == torch.bfloat16, name
+        error = float((got.detach().double() - ref).abs().max() / ref.abs().max())
+        assert error < 3e-2, (name, error)

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from helpers.oracles import brute_force_mask, masked_attention
-from helpers.rows import ragged_lengths
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from speculators_peagle_plugin import (
@@ -14,6 +12,8 @@ from speculators_peagle_plugin import (
     lengths_from_document_ids,
 )
 from speculators_peagle_plugin.core.peagle_attention import document_starts
+from speculators_peagle_plugin.selftest.oracles import brute_force_mask, masked_attention
+from speculators_peagle_plugin.selftest.rows import ragged_lengths
 
 EXAMPLE_ANCHOR = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 4, 0, 3, 0])
 EXAMPLE_DEPTH = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3])

@@ -1,11 +1,12 @@
-"""Every command in the README runs, as written, on a tiny local target.
+"""Every command in the README and the docs/ pages runs, as written, on a tiny local target.
 
-The README's ```bash blocks are parsed into commands. ``make demo`` is the demo (its CLI
-command runs in ``test_quick_demo_end_to_end``) and ``make test`` is CI. Every other
-command runs here in README order: the README's paths are replaced by tiny ones, and the
-flags a tiny CPU run needs are appended (later flags override the YAML's and the
-README's: CPU, float32, 2 steps, a draft vocabulary and aux layers the tiny target has).
-A command added to the README without a runner here fails ``test_every_command_is_run``.
+The ```bash blocks of README.md and then of docs/*.md (in name order) are parsed into
+commands; plain ``` blocks are for commands too long to run here (hours) and for output.
+``make demo`` is the demo (its CLI command runs in ``test_quick_demo_end_to_end``) and
+``make test`` is CI. Every other command runs here: the docs' paths are replaced by tiny
+ones, and the flags a tiny CPU run needs are appended (later flags override the YAML's and
+the docs': CPU, float32, 2 steps, a draft vocabulary and aux layers the tiny target has).
+A command added to a page without a runner here fails ``test_every_command_is_run``.
 """
 
 import json
@@ -38,6 +39,7 @@ EXTRA = {  # the flags each README command gets here
               "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
     "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
              "--in-process", "--enforce-eager", "--out", "{tmp}/eval"],  # fmt: skip
+    "selftest": ["--device", "cpu", "--quick", "--json", "{tmp}/selftest.json"],
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
                          "--partition-curve-seq-len", "128", "--partitions", "2",
@@ -59,9 +61,13 @@ SUBSTITUTE = {
 }
 
 
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def readme_commands() -> list[str]:
-    """The README's bash commands, continuation lines joined, comments dropped."""
-    text = (REPO / "README.md").read_text()
+    """The bash commands of the README, then of the docs pages, continuation lines joined,
+    comments dropped."""
+    text = "\n".join(page.read_text() for page in DOC_PAGES)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         block = block.replace("\\\n", " ")
@@ -89,7 +95,7 @@ def test_every_command_is_run():
     kinds = [kind(c) for c in readme_commands()]
     assert "make demo" == kinds[0] and "make test" in kinds
     unknown = [k for k in kinds if k not in EXTRA and k not in ("make demo", "make test")]
-    assert not unknown, f"README commands with no runner in this test: {unknown}"
+    assert not unknown, f"README/docs commands with no runner in this test: {unknown}"
     assert sorted(set(EXTRA)) == sorted(k for k in set(kinds) if k in EXTRA)
 
 
@@ -99,6 +105,7 @@ def test_make_targets_are_the_documented_ones():
     assert "speculators-peagle demo" in dry
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in ci  # .ci/run is the README's test command
+    assert readme_commands()[:2] == ["make demo", "make test"]  # the README's two commands
 
 
 def _free_port() -> int:
@@ -143,12 +150,13 @@ def commands_of(kinds: tuple[str, ...]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(workspace):
-    """The own-target section in order: generate-data, train, torchrun train."""
+    """The own-target steps in order: generate-data (README), then train into ckpt/ in one
+    process (docs/training.md); the README's torchrun command trains into its own path."""
     root, target = workspace
     (gen,) = commands_of(("generate-data",))
     run(prepared(gen, root, target), root)
     assert (root / "data" / "state.json").is_file()
-    train, _online = commands_of(("train",))
+    (train,) = [c for c in commands_of(("train",)) if "--online" not in c]
     run(prepared(train, root, target), root)
     assert (root / "ckpt" / "checkpoint-2" / "model.safetensors").is_file()
     # The README's checkpoint-1000 stands for the last one: make it that one.
@@ -170,7 +178,7 @@ def test_torchrun_command_trains_on_two_ranks(trained):
 @pytest.mark.slow
 def test_online_train_command_writes_no_hidden_states(workspace):
     root, target = workspace
-    _offline, online = commands_of(("train",))
+    (online,) = [c for c in commands_of(("train",)) if "--online" in c]
     run(prepared(online, root, target), root)
     save = root / "ckpt-online"
     metrics = [json.loads(line) for line in open(save / "metrics.jsonl")]
@@ -256,6 +264,14 @@ def test_eval_command_measures_acceptance(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_selftest_command_passes(tmp_path):
+    (cmd,) = commands_of(("selftest",))
+    run(prepared(cmd, tmp_path, ""), tmp_path)
+    record = json.loads((tmp_path / "selftest.json").read_text())
+    assert record["passed"] and any(c["status"] == "PASS" for c in record["checks"])
+
+
 @pytest.mark.parametrize("name", ["bench_sampler", "bench_train_step"])
 def test_benchmark_commands_run_shortened(name, tmp_path):
     (cmd,) = commands_of((name,))

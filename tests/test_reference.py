@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from helpers.oracles import dense_draft_hidden, rms_norm
 from tiny_vllm import (
     HIDDEN,
     LAYER_IDS,
@@ -18,6 +17,7 @@ from tiny_vllm import (
 from transformers import LlamaForCausalLM
 
 from speculators_peagle_plugin.engine.reference import ReferenceRuntime, stop_token_ids
+from speculators_peagle_plugin.selftest.oracles import dense_draft_hidden, rms_norm
 
 
 def chat_prompts(n=4, offset=0):

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from helpers.oracles import dense_draft_hidden, kl_target_draft, rms_norm
-from helpers.rows import packed_document_ids
 from speculators.losses.eager import kl_div_loss
 from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
 from tiny import DRAFT_VOCAB, MASK_TOKEN, TARGET_VOCAB, tiny_config, tiny_draft
@@ -12,6 +10,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from speculators_peagle_plugin import dense_peagle_mask, generate_cod_sample_indices
 from speculators_peagle_plugin.core.peagle_attention import lengths_from_document_ids
+from speculators_peagle_plugin.selftest import rows
+from speculators_peagle_plugin.selftest.oracles import dense_reference_loss as dense_loss
+from speculators_peagle_plugin.selftest.oracles import rms_norm
 from speculators_peagle_plugin.training.peagle_trainer import PEagleTrainerModule, _kl_div_loss
 
 K = 4
@@ -33,16 +34,8 @@ def float64_norms(monkeypatch):
 
 def packed_batch(seed, batch=2, seq_len=61, n_docs=3, pad=7, dtype=torch.float64):
     """Ragged packed rows with padding (document ids -1), random supervision."""
-    gen = torch.Generator().manual_seed(seed)
-    docs = packed_document_ids(gen, batch, seq_len, n_docs, pad, shrink=3)
-    loss_mask = (torch.rand(batch, seq_len, generator=gen) < 0.8).long()
-    return dict(
-        input_ids=torch.randint(0, TARGET_VOCAB - 1, (batch, seq_len), generator=gen),
-        loss_mask=loss_mask,
-        document_ids=docs,
-        hidden_states=torch.randn(batch, seq_len, 192, generator=gen, dtype=dtype),
-        verifier_last_hidden_states=torch.randn(batch, seq_len, 64, generator=gen, dtype=dtype),
-    )
+    return rows.packed_batch(seed, vocab=TARGET_VOCAB, aux_width=192, hidden=64, batch=batch,
+                             seq_len=seq_len, n_docs=n_docs, pad=pad, dtype=dtype)  # fmt: skip
 
 
 def trainer(draft, ids, t2d, partitions=1, seed=0, **kw):
@@ -103,32 +96,16 @@ def test_kl_matches_speculators_eager_kl():
 
 def dense_reference_loss(module, batch):
     """Same COD sample, attention by plain float64 softmax over the dense mask."""
-    draft = module.draft
-    total, parts = 0, []
+    samples = []
     for b in range(batch["input_ids"].shape[0]):
         doc = batch["document_ids"][b]
         anchor, depth = generate_cod_sample_indices(
             doc.shape[0], batch["loss_mask"][b], K, 0.8, 0.3,
             document_ids=doc, generator=module.generator,
         )  # fmt: skip
-        ref = anchor + depth
-        allowed = dense_peagle_mask(anchor, depth, lengths_from_document_ids(doc), doc.shape[0])
-        is0 = depth == 0
-        ids = torch.where(is0, batch["input_ids"][b][ref], MASK_TOKEN)
-        hid = torch.where(
-            is0[:, None],
-            batch["hidden_states"][b][ref],
-            draft.mask_hidden[0].expand(ref.shape[0], -1),
-        )
-        h = dense_draft_hidden(draft, ids, draft.fc(hid), ref, allowed)
-        sup = (batch["loss_mask"][b][ref] != 0) & (doc[ref] >= 0)
-        logits = draft.lm_head(rms_norm(draft.norm, h[sup]))
-        target = draft.verifier_lm_head(
-            rms_norm(draft.verifier_norm, batch["verifier_last_hidden_states"][b][ref[sup]])
-        )
-        parts.append(kl_target_draft(target, logits).sum())
-        total += int(sup.sum())
-    return torch.stack(parts).sum() / total
+        lengths = lengths_from_document_ids(doc)
+        samples.append((anchor, depth, dense_peagle_mask(anchor, depth, lengths, doc.shape[0])))
+    return dense_loss(module.draft, batch, samples, MASK_TOKEN)
 
 
 @pytest.mark.parametrize("seed", range(3))

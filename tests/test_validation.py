@@ -39,6 +39,8 @@ def test_every_checkpoint_is_scored_on_the_held_out_data_and_the_best_is_kept(wo
     kept = load_file(save / BEST_DIR / "model.safetensors")
     for name, tensor in load_file(save / best["checkpoint"] / "model.safetensors").items():
         assert kept[name].equal(tensor)
+    card = (save / BEST_DIR / "README.md").read_text()  # the model card serves best/ itself
+    assert f'"model": "{(save / BEST_DIR).resolve()}"' in card
 
 
 def scripted(monkeypatch, acceptances):

@@ -1,10 +1,10 @@
 """Tiny random P-EAGLE drafts built from configs (no download)."""
 
 import torch
-from helpers.drafts import peagle_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
+from speculators_peagle_plugin.selftest.shapes import peagle_config
 
 TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN = 96, 40, 95
 

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-from helpers.drafts import peagle_config as draft_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GenerationConfig,
@@ -21,6 +20,7 @@ from transformers import (
 )
 
 from speculators_peagle_plugin.model.peagle_draft import PEagleDraftModel
+from speculators_peagle_plugin.selftest.shapes import peagle_config as draft_config
 from speculators_peagle_plugin.training.peagle_trainer import PEagleTrainerModule
 
 VOCAB, HIDDEN, LAYERS, LAYER_IDS = 272, 128, 4, (1, 2, 3)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
 from ..data.prompts import load_prompt_set
+from ..serving.model_card import CARD_FILE, read_card, write_model_card
 from ..training.loop import build_training
 
 __all__ = [
@@ -88,8 +89,10 @@ def link_draft(checkpoint: Path, output: Path) -> None:
     """
     with atomic_directory(output) as tmp:
         for src in checkpoint.iterdir():
-            if src.is_file() and (src.name.endswith(".json") or src.suffix == ".safetensors"):
+            if src.is_file() and (src.suffix in (".json", ".safetensors") or src.name == CARD_FILE):
                 try:
                     os.link(src, tmp / src.name)
                 except OSError:
                     shutil.copy2(src, tmp / src.name)
+        if read_card(tmp) is not None:  # a new file (not the link): the serve line names output
+            write_model_card(tmp, location=output)

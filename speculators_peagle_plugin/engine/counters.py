@@ -58,6 +58,29 @@ class SpecDecodeCounters:
         return counters
 
     @classmethod
+    def from_prometheus(cls, text: str) -> SpecDecodeCounters:
+        """The counters in a vLLM server's ``/metrics`` page (Prometheus text), summed over
+        engines; a server that does not draft has none (all zero, no positions).
+
+        Example: ``vllm:spec_decode_num_drafts_total{engine="0"} 3.0`` -> ``num_drafts`` 3.
+        """
+        from prometheus_client.parser import text_string_to_metric_families
+
+        counters, per_pos = cls(), {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):  # _created: a timestamp
+                    continue
+                if family.name in METRICS:
+                    name = METRICS[family.name]
+                    setattr(counters, name, getattr(counters, name) + int(sample.value))
+                elif family.name == PER_POSITION_METRIC:
+                    pos = int(sample.labels["position"])
+                    per_pos[pos] = per_pos.get(pos, 0) + int(sample.value)
+        counters.accepted_per_pos = [per_pos.get(i, 0) for i in range(len(per_pos))]
+        return counters
+
+    @classmethod
     def from_histograms(cls, histograms: Iterable[Sequence[int]]) -> SpecDecodeCounters:
         """The counters of requests whose vLLM per-request metrics give ``histogram[j]`` =
         verify steps that accepted ``j`` of the K drafted tokens (``len = K + 1``).

@@ -36,6 +36,7 @@ from ..engine.counters import SpecDecodeCounters
 from ..engine.reference import ReferenceRuntime, stop_token_ids
 from ..engine.vllm_client import VllmJob, VllmWorker
 from ..serving.check import check_checkpoint
+from .card import update_model_cards
 from .cells import CELLS_FILE, FinishedCells, cell_key, merge_pieces, resume_units
 from .config import EvalConfig
 from .report import finish_record, start_record, summarize
@@ -66,6 +67,7 @@ def evaluate(
         run["per_category"] = per_category(run, prompt_sets)
     record["resumed_cells"] = sum(run["resumed"] for run in runs)
     finish_record(record, runs, out_dir, echo)
+    update_model_cards(record, echo)
     return record
 
 

@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from ..core.peagle_attention import create_peagle_mask_mod, lengths_from_document_ids
+from . import flex
 from .block_sparse import _BlockSparseAttention, _Chunk, _plan_chunks
 from .flex import _peagle_flex_attention
 
@@ -108,6 +109,8 @@ def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
                 q, k, v = (t.float() for t in (q, k, v))
                 return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
-    if mask.impl == "flex":
-        return _peagle_flex_attention(q, k, v, mask.block_mask, scale)
+    if mask.impl == "flex" and flex.signature(q, k, v) not in flex.compile_failures:
+        out = _peagle_flex_attention(q, k, v, mask.block_mask, scale)
+        if out is not None:
+            return out
     return _chunked_attention(q, k, v, mask, scale)

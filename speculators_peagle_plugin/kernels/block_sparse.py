@@ -165,16 +165,23 @@ def _band_forward(qs, ks, vs, mask, scale):
     """Masked attention over one band: ``(out [g, nkv, C, hd], lse [g, nkv, C])``.
 
     CPU: the flash kernel (``O(C)`` memory, fused exp). Elsewhere (``chunked`` forced
-    on CUDA): plain matmuls and a log-sum-exp over ``[g, nkv, C, R]`` scores.
+    on CUDA): plain matmuls in the inputs' dtype, the softmax statistics in float32 (as
+    a flash kernel keeps them) over ``[g, nkv, C, R]`` scores.
     """
     if _cpu_flash(qs):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qs, ks, vs, attn_mask=mask, scale=scale
         )
-    scores = (qs @ ks.transpose(-1, -2)).mul_(scale).add_(mask)
+    scores = _band_scores(qs, ks, mask, scale)
     lse = torch.logsumexp(scores, -1)
     safe = lse.masked_fill(lse == float("-inf"), 0.0)  # fully masked rows: weights 0
-    return torch.exp(scores - safe.unsqueeze(-1)) @ vs, lse
+    return torch.exp(scores - safe.unsqueeze(-1)).to(vs.dtype) @ vs, lse
+
+
+def _band_scores(qs, ks, mask, scale):
+    """Scaled, masked scores of a band, in at least float32."""
+    stats = torch.promote_types(qs.dtype, torch.float32)
+    return (qs @ ks.transpose(-1, -2)).to(stats).mul_(scale).add_(mask)
 
 
 def _band_backward(go, qs, ks, vs, os, ls, mask, scale):
@@ -187,8 +194,10 @@ def _band_backward(go, qs, ks, vs, os, ls, mask, scale):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             go, qs, ks, vs, os, ls, 0.0, False, attn_mask=mask, scale=scale
         )
-    p = torch.exp((qs @ ks.transpose(-1, -2)).mul_(scale).add_(mask) - ls.unsqueeze(-1))
-    ds = p * (go @ vs.transpose(-1, -2) - (go * os).sum(-1, keepdim=True)) * scale
+    p = torch.exp(_band_scores(qs, ks, mask, scale) - ls.unsqueeze(-1))
+    delta = (go * os).to(p.dtype).sum(-1, keepdim=True)
+    ds = (p * ((go @ vs.transpose(-1, -2)).to(p.dtype) - delta) * scale).to(qs.dtype)
+    p = p.to(go.dtype)
     return ds @ ks, ds.transpose(-1, -2) @ qs, p.transpose(-1, -2) @ go
 
 

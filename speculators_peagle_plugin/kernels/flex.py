@@ -1,4 +1,4 @@
-"""flex_attention for the P-EAGLE mask: compiled where Inductor supports it, else eager.
+"""flex_attention for the P-EAGLE mask, compiled by Inductor where it supports the tensors.
 
 Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the flat
 sequence, ``nh`` / ``nkv`` query / key-value heads, ``hd`` head dim.
@@ -13,10 +13,14 @@ from torch.nn.attention.flex_attention import flex_attention
 
 logger = logging.getLogger(__name__)
 
-_peagle_flex_attention_compiled = torch.compile(
-    flex_attention, mode="max-autotune-no-cudagraphs", dynamic=True
-)
-_peagle_flex_attention_compile_failed = False
+# Inductor's default mode and automatic dynamic shapes, as speculators compiles its
+# forward: max-autotune benchmarks every template config at each new shape (minutes on a
+# GPU) and its benchmarking broke on torch 2.11; with every dimension forced dynamic, a
+# later compile found no valid flex config there (`speculators-peagle selftest --device cuda`).
+_peagle_flex_attention_compiled = torch.compile(flex_attention)
+# Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
+# once it has; every later call of that signature is refused.
+compile_failures: dict[tuple, str] = {}
 
 
 def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -24,22 +28,44 @@ def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return all(t.is_cuda for t in (q, k, v)) and min(q.shape[-1], v.shape[-1]) >= 16
 
 
-def _peagle_flex_attention(q, k, v, block_mask, scale):
-    """Run flex attention, compiled where Inductor supports it, else eager.
+def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
+    """Flex attention, compiled where Inductor supports the tensors, else eager.
 
     Args:
         q: ``[1, nh, N, hd]``; k, v: ``[1, nkv, N, hd]``; block_mask: a flex ``BlockMask``.
 
-    A compile failure is logged once and every later call runs eager.
+    Returns ``None`` once compiling has failed for this signature (logged once, kept in
+    :data:`compile_failures`): eager flex attention materialises every score, which no
+    long row fits, so the caller runs its exact block-sparse path instead.
     """
-    global _peagle_flex_attention_compile_failed
     gqa = q.shape[1] != k.shape[1]
-    if _peagle_compile_supported(q, k, v) and not _peagle_flex_attention_compile_failed:
-        try:
-            return _peagle_flex_attention_compiled(
-                q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa
-            )
-        except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
-            _peagle_flex_attention_compile_failed = True
-            logger.warning("flex_attention compile failed (%s); running eager from now on.", err)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    if not _peagle_compile_supported(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    key = signature(q, k, v)
+    if key in compile_failures:
+        return None
+    try:
+        return _peagle_flex_attention_compiled(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
+        lines = str(err).strip().splitlines() or [""]
+        compile_failures[key] = f"{type(err).__name__}: {lines[0][:300]}"
+        logger.warning(
+            "flex_attention compile failed for %s (%s); the block-sparse attention runs "
+            "instead.", describe(key), compile_failures[key],
+        )  # fmt: skip
+        return None
+
+
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What a compile failure is remembered by: dtype, query and key-value heads, head dims."""
+    return (str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+
+
+def describe(key: tuple) -> str:
+    dtype, nh, nkv, hd, hdv = key
+    dims = f"{hd}" if hd == hdv else f"{hd}/{hdv}"
+    return f"{dtype}, {nh}/{nkv} heads of {dims}"

@@ -8,7 +8,8 @@ each with its fix; :func:`~.export.export_checkpoint` applies the mechanical fix
 
 Each rule is a function of the :class:`~.check_config.CheckedDraft` being checked that
 returns its findings: the config rules (:mod:`.check_config`), then the weights
-(:mod:`.check_weights`) and the target (:mod:`.check_target`); :data:`_RULES` lists them in
+(:mod:`.check_weights`), the target (:mod:`.check_target`) and the model card
+(:mod:`.model_card`); :data:`_RULES` lists them in
 report order. A gate's finding ends the check, because what follows cannot be judged
 without what it found missing.
 
@@ -35,6 +36,7 @@ from .checkpoint import (
     resolve_target,
     trained_depths,
 )
+from .model_card import card_findings
 
 __all__ = [
     "CPU_HEAD_DIMS",
@@ -126,4 +128,8 @@ def _target(d: CheckedDraft) -> list[Finding]:
     return check_target(d.config, d.target, d.device)
 
 
-_RULES: tuple[Rule, ...] = (*CONFIG_RULES, _weights, _target)
+def _card(d: CheckedDraft) -> list[Finding]:
+    return card_findings(d.ckpt)
+
+
+_RULES: tuple[Rule, ...] = (*CONFIG_RULES, _weights, _target, _card)

@@ -37,6 +37,7 @@ from .checkpoint import (
     object_at,
     resolve_target,
 )
+from .model_card import read_card, write_model_card
 
 __all__ = ["export_checkpoint"]
 
@@ -90,6 +91,8 @@ def export_checkpoint(
     _fix_weights(config, tensors)
     with atomic_directory(out_dir) as tmp:
         _write(ckpt, config, tensors, tmp)
+        if read_card(tmp) is not None:  # fixes model-card: the copy's card states its config
+            write_model_card(tmp, location=out_dir)
         after = run_rules(DraftCheckpoint.read(tmp), target, None, device, scan_values=True)
         errors = [f for f in after if f.severity == "error"]
         if errors:

@@ -19,10 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.files import atomic_directory
-from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
+from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
 from ..common.settings import check_finite, check_int_at_least, check_optional_ints, setting
+from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
+from ..serving.model_card import write_model_card
 from .distributed import World, sharded
+from .online import online_data_path
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -144,6 +147,7 @@ def save_checkpoint(
         try:
             with atomic_directory(final) as tmp:
                 draft.save_pretrained(tmp, state_dict=model_state)
+                write_model_card(tmp, _how_it_was_made(config, step), location=final)
                 state = {
                     "step": step,
                     "optimizer": optim_state,
@@ -166,6 +170,16 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
+
+
+def _how_it_was_made(config: TrainConfig, step: int) -> dict:
+    """The model card's account of a checkpoint: its data's generation settings (from the
+    data directory, or the replies ``--online --prompts`` generated), recipe and steps."""
+    made = {"steps": step, "data_path": config.data.data_path or None, "recipe": config.to_dict()}
+    settings = online_data_path(config) / SETTINGS_FILE
+    if (config.online.prompts or config.data.data_path) and settings.is_file():
+        made["data"] = read_json(settings)
+    return made
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Online training's data: token ids (given, or the target's replies generated first) whose
 hidden states the target computes as each batch is read (:mod:`..datagen.online`).
 
-When to choose it (README, "Online or offline"): online pays a target forward per sample per
-epoch (less with ``--online-cache``) and keeps the target in memory beside the draft, and
-writes no hidden states; offline pays their disk once and trains any number of runs from it.
+When to choose it (docs/training.md, "Online or offline"): online pays a target forward per
+sample per epoch (less with ``--online-cache``) and keeps the target in memory beside the
+draft, and writes no hidden states; offline pays their disk once and trains any number of
+runs from it.
 """
 
 from __future__ import annotations

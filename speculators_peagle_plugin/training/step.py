@@ -62,7 +62,9 @@ def train_step(
     segments = module.segments(batch)
     if sharded(config.runtime, world):
         # FSDP all-gathers in every forward: all ranks must run the same number of them.
-        count = world.all_reduce(torch.tensor([len(segments)]), dist.ReduceOp.MAX)
+        # The count lives on the rank's device: NCCL reduces CUDA tensors only.
+        count = world.all_reduce(torch.tensor([len(segments)], device=world.device),
+                                 dist.ReduceOp.MAX)  # fmt: skip
         segments += [StepModule.EMPTY] * (int(count) - len(segments))
     elif not segments:
         segments = [StepModule.EMPTY]

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
+from ..serving.model_card import read_card, write_model_card
 from . import heldout
 from .checkpoint import STATE_FILE
 from .config import TrainConfig
@@ -95,6 +96,8 @@ class Validation:
                     for item in checkpoint.iterdir():
                         if item.is_file() and item.name != STATE_FILE:
                             shutil.copy2(item, tmp / item.name)
+                    if read_card(tmp) is not None:  # its serve line names this directory
+                        write_model_card(tmp, location=self.best_dir)
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
             logger.info(

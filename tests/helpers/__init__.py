@@ -1,1 +1,3 @@
-"""Shared test helpers: oracles (the slow, obviously-right references) and input makers."""
+"""Shared test helpers: the tiny chat target and training runs. The oracles and the random
+row makers live in the package (``speculators_peagle_plugin.selftest``): the selftest
+runs them too."""

@@ -1,8 +1,8 @@
-"""Reference implementations the tests compare the product against.
+"""Reference implementations the tests and ``selftest`` compare the product against.
 
 Each oracle is the rule written the plainest way: loops over Python ints, dense
 ``[N, N]`` masks, float64 softmax. They are slow on purpose and share no code with the
-package.
+rest of the package (the product's draft modules are read for their weights only).
 """
 
 from __future__ import annotations
@@ -102,3 +102,38 @@ def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tenso
         h = resid + attn.o_proj(out.transpose(0, 1).reshape(-1, nh * hd))
         h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
     return h
+
+
+def dense_reference_loss(draft, batch, rows, mask_token_id) -> torch.Tensor:
+    """The P-EAGLE loss of ``batch`` with attention by plain softmax over dense masks.
+
+    Args:
+        draft: a P-EAGLE draft (weights only: every computation is written out here).
+        batch: speculators' packed batch (``input_ids``, ``loss_mask``, ``document_ids``,
+            ``hidden_states``, ``verifier_last_hidden_states``), ``[B, L, ...]``.
+        rows: per batch row ``(anchor, depth, allowed)``: its COD elements ``[N]`` and
+            their ``[N, N]`` visibility (the same sample the product drew).
+        mask_token_id: the id fed at depth >= 1 slots.
+
+    Returns the summed KL over supervised elements divided by their count.
+    """
+    total, parts = 0, []
+    for b, (anchor, depth, allowed) in enumerate(rows):
+        doc = batch["document_ids"][b]
+        ref = anchor + depth
+        is0 = depth == 0
+        ids = torch.where(is0, batch["input_ids"][b][ref], mask_token_id)
+        hid = torch.where(
+            is0[:, None],
+            batch["hidden_states"][b][ref],
+            draft.mask_hidden[0].expand(ref.shape[0], -1),
+        )
+        h = dense_draft_hidden(draft, ids, draft.fc(hid), ref, allowed)
+        sup = (batch["loss_mask"][b][ref] != 0) & (doc[ref] >= 0)
+        logits = draft.lm_head(rms_norm(draft.norm, h[sup]))
+        target = draft.verifier_lm_head(
+            rms_norm(draft.verifier_norm, batch["verifier_last_hidden_states"][b][ref[sup]])
+        )
+        parts.append(kl_target_draft(target, logits).sum())
+        total += int(sup.sum())
+    return torch.stack(parts).sum() / total

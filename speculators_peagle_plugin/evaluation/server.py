@@ -1,0 +1,162 @@
+"""``eval --server``: the eval's figures measured against running vLLM servers.
+
+A user who already serves a draft (``vllm serve TARGET --speculative-config ...``) points
+the eval at it instead of starting engines. Each request goes to the server's
+OpenAI-compatible ``/v1/completions`` as token ids (the prompt rendered with the target's
+chat template, as the eval renders it for its own engines), greedy, streamed, with the
+stop tokens the eval's own engines use. The acceptance figures are the difference of the
+server's spec-decode counters (vLLM's Prometheus ``/metrics``, the counters ``LLM.get_metrics``
+reads in-process) read before and after each cell, so other traffic on the server during
+a cell is counted too: measure on a server no one else uses. Tokens/s is output tokens
+over the cell's wall time, as for the eval's engines; time per output token is each
+request's streaming interval (first to last token) over its tokens after the first.
+
+A server whose ``/metrics`` has no spec-decode counter does not draft: it is the
+baseline the drafting servers' speedups are measured against.
+
+Example::
+
+    servers = [Server("http://127.0.0.1:8000", "draft"), Server("http://127.0.0.1:8001", "base")]
+    result = run_server_cell(servers[0], prompts, concurrency=4, max_tokens=128, stop_ids={2})
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..engine.counters import SpecDecodeCounters
+
+__all__ = ["Server", "ServerError", "probe_server", "run_server_cell"]
+
+TIMEOUT_S = 600.0  # one request, streamed: long enough for a slow CPU server's longest reply
+
+
+class ServerError(ValueError):
+    """A server that cannot be measured, in one sentence."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running vLLM server: its base URL and the label its rows get.
+
+    Filled in by :func:`probe_server`: ``model`` (the served model's id) and ``k`` (the
+    draft's K, from its per-position counters; 0 = no draft).
+    """
+
+    url: str
+    label: str
+    model: str = ""
+    k: int = 0
+
+
+def _get(url: str, timeout: float = 30.0) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.read()
+    except OSError as exc:  # URLError is an OSError
+        reason = getattr(exc, "reason", exc)
+        raise ServerError(
+            f"could not read {url} ({reason}); start the vLLM server or correct --server."
+        ) from None
+
+
+def read_counters(url: str) -> SpecDecodeCounters | None:
+    """The server's spec-decode counters now (None: it does not draft)."""
+    text = _get(url.rstrip("/") + "/metrics").decode()
+    counters = SpecDecodeCounters.from_prometheus(text)
+    return counters if counters.accepted_per_pos else None
+
+
+def probe_server(url: str, label: str | None = None) -> Server:
+    """The server at ``url``, with its model id and K; :class:`ServerError` if unusable."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ServerError(f"--server takes a URL such as http://127.0.0.1:8000, got {url!r}.")
+    raw = _get(url + "/v1/models")
+    try:
+        models = json.loads(raw)["data"]
+    except (ValueError, KeyError, TypeError):
+        raise ServerError(f"{url}/v1/models is not an OpenAI-compatible model list.") from None
+    if not models:
+        raise ServerError(f"the server at {url} serves no model.")
+    counters = read_counters(url)
+    k = len(counters.accepted_per_pos) if counters else 0
+    return Server(url, label or url, models[0]["id"], k)
+
+
+def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[int],
+              ignore_eos: bool) -> dict:  # fmt: skip
+    """One greedy request, streamed: its token ids and the time each chunk arrived."""
+    body = {
+        "model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "stream": True, "return_token_ids": True, "ignore_eos": ignore_eos,
+        "stop_token_ids": [] if ignore_eos else sorted(stop_ids),
+    }  # fmt: skip
+    request = urllib.request.Request(
+        server.url + "/v1/completions", json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    tokens, stamps = [], []
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[5:]).get("choices", []):
+                    new = choice.get("token_ids") or []
+                    if new:
+                        tokens += new
+                        stamps.append((time.perf_counter(), len(new)))
+    except OSError as exc:  # URLError is an OSError
+        raise ServerError(
+            f"the request to {server.url}/v1/completions failed "
+            f"({getattr(exc, 'reason', exc)}); see the server's log."
+        ) from None
+    tpot, after_first = None, len(tokens) - (stamps[0][1] if stamps else 0)
+    if after_first > 0:
+        tpot = (stamps[-1][0] - stamps[0][0]) / after_first
+    return {"tokens": tokens, "tpot": tpot}
+
+
+def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: int,
+                    max_tokens: int, stop_ids: set[int], ignore_eos: bool = False,
+                    on_progress: Callable[[dict], None] | None = None) -> dict:  # fmt: skip
+    """Every prompt on ``server`` with ``concurrency`` requests in flight; the raw result
+    the eval's engines give (:func:`~.report.summarize` reads it)."""
+    before = read_counters(server.url) if server.k else None
+    lock, done = threading.Lock(), {"n": 0, "tokens": 0}
+    start = time.perf_counter()
+
+    def one(prompt: list[int]) -> dict:
+        reply = _complete(server, prompt, max_tokens, stop_ids, ignore_eos)
+        with lock:
+            done["n"] += 1
+            done["tokens"] += len(reply["tokens"])
+            if on_progress is not None:
+                on_progress({"done": done["n"], "output_tokens": done["tokens"],
+                             "wall_s": time.perf_counter() - start, "counters": None})  # fmt: skip
+        return reply
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        replies = list(pool.map(one, prompts))
+    wall = time.perf_counter() - start
+    counters = None
+    if before is not None:
+        counters = (read_counters(server.url) - before).to_dict()
+    return {
+        "output_tokens": sum(len(r["tokens"]) for r in replies),
+        "wall_s": wall,
+        "counters": counters,
+        "time_per_output_token_s": [r["tpot"] for r in replies if r["tpot"] is not None],
+        "accepted_histograms": None,
+        "outputs": [r["tokens"] for r in replies],
+        "engine": {"server": server.url, "model": server.model},
+        "pieces": 1,
+    }

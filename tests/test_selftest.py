@@ -1,0 +1,244 @@
+"""``speculators-peagle selftest``: it passes here, a planted bug fails it, bad input is one
+sentence, and the GPU machine's wheels cover everything it imports."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eval import prepare_gpu
+from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.kernels import block_sparse
+from speculators_peagle_plugin.selftest import checks, command
+from speculators_peagle_plugin.selftest.shapes import SHAPES
+from speculators_peagle_plugin.training import peagle_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Loaded into every Python process of the run (PYTHONPATH): at exit each writes the
+# distributions its modules came from, and whether vLLM was imported.
+RECORD_IMPORTS = """
+import atexit, json, os, sys
+
+def _record():
+    from importlib.metadata import packages_distributions
+    owners = packages_distributions()
+    tops = {m.split(".")[0] for m in list(sys.modules)}
+    dists = sorted({d for t in tops for d in owners.get(t, [])})
+    path = os.path.join(os.environ["IMPORTS_DIR"], f"{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump({"argv": sys.argv, "dists": dists, "vllm": "vllm" in sys.modules}, f)
+
+atexit.register(_record)
+"""
+
+
+def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path):
+    hook, imports = tmp_path / "hook", tmp_path / "imports"
+    hook.mkdir()
+    imports.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(RECORD_IMPORTS))
+    path = os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "IMPORTS_DIR": str(imports), "PYTHONPATH": path}
+    record = tmp_path / "record.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "speculators_peagle_plugin", "selftest", "--device", "cpu",
+         "--quick", "--json", str(record)],
+        env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    lines = out.splitlines()
+    assert lines[0].startswith("versions: python") and "speculators 0.9" in lines[0]
+    for name in ("attention chunked float32", "attention chunked bfloat16",
+                 "training step float32", "training step bfloat16",
+                 "partitioned step == flat step", "step ours 256 tokens",
+                 "step speculators 256 tokens"):  # fmt: skip
+        assert f"PASS {name}: " in out, name
+    assert "SKIP torchrun DDP: --quick" in out and "FAIL" not in out
+    assert any(line.startswith("ratio 256 tokens: ours ") for line in lines)
+    assert "selftest: 7 passed, 0 failed, 2 skipped" in out
+    saved = json.loads(record.read_text())
+    assert saved["passed"] and saved["stack"]["device"] == "cpu"
+    assert [c["status"] for c in saved["checks"]].count("PASS") == 7
+    assert saved["speed"]["speculators"]["lengths"]["256"]["tokens_per_s"] > 0
+
+    runs = [json.loads(p.read_text()) for p in imports.glob("*.json")]
+    perf = [r for r in runs if r["argv"][0].endswith("perf.py")]
+    assert len(perf) == 2, [r["argv"] for r in runs]  # one process per side
+    assert not any(r["vllm"] for r in runs), "the selftest imported vLLM"
+    used = {prepare_gpu.normalize(d) for r in runs for d in r["dists"]}
+    covered = set(prepare_gpu.wheels_to_ship()) | prepare_gpu.GPU_IMAGE
+    assert "speculators" in prepare_gpu.wheels_to_ship()
+    assert used - covered - {prepare_gpu.OWN} == set()
+
+
+def test_shipped_wheels_leave_out_what_the_gpu_machine_has():
+    ship = prepare_gpu.wheels_to_ship()
+    assert not set(ship) & {"torch", "transformers", "triton", "safetensors", "pyarrow", "numpy"}
+    assert "vllm" not in ship and ship["speculators"].startswith("0.9")
+    assert "pydantic" in ship and "pydantic-core" in ship  # speculators' config; not in the image
+
+
+def test_gpu_command_installs_offline_and_runs_the_cuda_selftest():
+    command_line = prepare_gpu.gpu_command("runs/gpu-wheels")
+    install, run = command_line.split(" && ")
+    assert "pip install" in install and "--no-deps --no-index runs/gpu-wheels/*.whl" in install
+    assert run.startswith("python3 -m speculators_peagle_plugin.selftest --device cuda ")
+    assert "--shape llama8b --seq-lens 8192,32768 --json " in run
+
+
+def run_cli(args):
+    result = CliRunner().invoke(main, ["selftest", *args])
+    return result.exit_code, result.output
+
+
+def test_a_planted_off_by_one_in_the_attention_kernel_fails(monkeypatch):
+    """The band of each query loses its last key. Without speculators only the attention
+    checks run (one sentence says so); they alone catch it."""
+    right = block_sparse._band_mask
+
+    def off_by_one(chunk, dtype):
+        return right(chunk._replace(hi=torch.maximum(chunk.hi - 1, chunk.lo)), dtype)
+
+    monkeypatch.setattr(block_sparse, "_band_mask", off_by_one)
+    monkeypatch.setattr(command, "speculators_problem", lambda: "speculators is not usable here.")
+    code, out = run_cli(["--device", "cpu", "--quick"])
+    assert code == 1, out
+    assert "FAIL attention chunked float32: " in out and "FAIL attention chunked bfloat16" in out
+    assert "SKIP draft, step and speed checks: speculators is not usable here." in out
+    assert out.strip().splitlines()[-1] == "selftest: 0 passed, 2 failed, 1 skipped"
+
+
+def test_without_the_plant_the_attention_checks_pass(monkeypatch):
+    monkeypatch.setattr(command, "speculators_problem", lambda: "speculators is not usable here.")
+    code, out = run_cli(["--device", "cpu", "--quick"])
+    assert code == 0, out
+    assert out.strip().splitlines()[-1] == "selftest: 2 passed, 0 failed, 1 skipped"
+
+
+def scaled_kl(fused):
+    def wrong(*args, **kwargs):
+        loss, hits = fused(*args, **kwargs)
+        return loss * 1.001, hits
+
+    return wrong
+
+
+def context_cut(units):
+    def wrong(b, anchor, depth, supervised, doc, segments, reach):
+        return units(b, anchor, depth, supervised, doc, segments, min(reach, 2))
+
+    return wrong
+
+
+@pytest.mark.parametrize(("name", "plant", "fails"), [
+    ("fused_linear_kl", scaled_kl, "training step float32"),
+    ("row_units", context_cut, "partitioned step == flat step"),
+    (None, None, None),  # nothing planted: nothing fails
+])  # fmt: skip
+def test_a_planted_wrong_loss_or_plan_fails_its_step_check(monkeypatch, name, plant, fails):
+    """A loss 0.1% too large (inside bfloat16's tolerance), or segments that read too
+    little context (the flat step is right): the check meant for it FAILs, alone."""
+    if name:
+        monkeypatch.setattr(peagle_trainer, name, plant(getattr(peagle_trainer, name)))
+    found = checks.step_checks(SHAPES["tiny"], torch.device("cpu"), range(1), 61)
+    failed = [c.name for c in found if c.status == "FAIL"]
+    assert failed == ([fails] if fails else []), [c.line() for c in found]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "cuda"], "this machine has no CUDA device; use --device cpu."),
+    (["--seq-lens", "8k"], "--seq-lens '8k' is not a comma-separated list of integers."),
+    (["--seq-lens", "4096,8"], "give row lengths of 16 tokens or more."),
+    (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: its directory does not"),
+    (["--shape", "llama70b"], "Invalid value for '--shape'"),
+])  # fmt: skip
+def test_bad_input_is_one_sentence_and_exit_code_not_zero(args, message):
+    if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, out = run_cli(args)
+    assert code != 0 and message in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quick_cuda_selftest_passes(tmp_path):
+    code, out = run_cli(["--device", "cuda", "--quick", "--json", str(tmp_path / "r.json")])
+    assert code == 0, out
+    assert "PASS attention flex float32" in out and "PASS attention chunked float32" in out
+
+
+def test_longest_row_search_doubles_then_bisects_to_an_eighth():
+    """The CUDA-only search, driven by a step that runs out of memory past 5000 tokens."""
+    from speculators_peagle_plugin.selftest import perf
+
+    tried = []
+
+    def step(batch, index):
+        tried.append(batch["input_ids"].shape[1])
+        if tried[-1] > 5000:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1.0
+
+    found = perf.longest_row(step, SHAPES["tiny"], 1024, torch.device("cpu"), torch.float32, 60)
+    assert tried == [2048, 4096, 8192, 6144, 5120]
+    assert found["tokens"] == 4096 and found["first_failing"] == 5120 and found["complete"]
+
+    def broken(batch, index):
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    with pytest.raises(RuntimeError, match="CUBLAS"):  # any other error is not "too long"
+        perf.longest_row(broken, SHAPES["tiny"], 1024, torch.device("cpu"), torch.float32, 60)
+
+
+def test_flex_that_does_not_compile_fails_its_checks_and_one_broken_check_only_itself(
+    monkeypatch,
+):
+    """On CUDA: flex attention's compile failing FAILs both flex checks (training would run
+    the slower path) and names why; an exception in one path and precision FAILs it alone."""
+    from speculators_peagle_plugin.kernels import flex
+
+    def fake(name, impl, precision, shape, device, masks):
+        if name == "attention chunked bfloat16":
+            raise RuntimeError("expected scalar type Float but found BFloat16\nmore")
+        if impl == "flex":  # what the flex path records when Inductor fails
+            flex.compile_failures[(precision, 4, 2, 64, 64)] = "LoweringException: launcher()"
+        return checks.Check(name, "PASS", "fine")
+
+    monkeypatch.setattr(checks, "_attention_check", fake)
+    monkeypatch.setattr(flex, "compile_failures", {})
+    assert checks.flex_compile_check().status == "PASS"
+    found = checks.attention_checks(SHAPES["tiny"], torch.device("cuda"), range(1), 30)
+    status = {c.name: c.status for c in found}
+    assert status == {"attention flex float32": "FAIL", "attention flex bfloat16": "FAIL",
+                      "attention chunked float32": "PASS", "attention chunked bfloat16": "FAIL"}
+    flex_detail = found[0].detail
+    assert "did not compile (float32, 4/2 heads of 64: LoweringException" in flex_detail
+    assert "bfloat16, 4/2" in found[1].detail and "float32, 4/2" not in found[1].detail
+    summary = checks.flex_compile_check()
+    assert summary.status == "FAIL" and "bfloat16, 4/2 heads of 64: Lowering" in summary.detail
+    assert found[3].detail == "RuntimeError: expected scalar type Float but found BFloat16"
+    assert "traceback" in found[3].data
+
+
+def test_speculators_side_whose_default_loss_fails_is_measured_with_its_eager_loss():
+    """Its fused loss has no CPU kernel, as its compiled fused loss failed under torch 2.11
+    on a GPU: the step runs its eager loss from then on and says so; the loss is finite."""
+    from speculators_peagle_plugin.selftest import perf
+
+    step = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none", loss_impl="fused")
+    row = perf.make_row(SHAPES["tiny"], 64, torch.device("cpu"), torch.float32)
+    first, second = step(row, 0), step(row, 1)
+    assert step.note.startswith("its fused loss failed here (") and "eager loss" in step.note
+    assert all(torch.isfinite(torch.tensor(x)) for x in (first, second))
+    eager = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none")
+    eager(row, 0)
+    assert eager.note is None
