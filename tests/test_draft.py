@@ -94,6 +94,7 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
     monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
     monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", broken)
     monkeypatch.setattr(flex, "compile_failures", {})
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compile_failed", False)
     anchor, depth, doc = random_cod_elements(4)
     n = anchor.shape[0]
     gen = torch.Generator().manual_seed(4)
@@ -113,6 +114,13 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
     other = torch.randn(1, 2, n, 16, generator=gen)  # another signature: compiled again
     attention.peagle_attention(other, other, other, flex_mask, 0.25)
     assert calls == [1, 1] and len(flex.compile_failures) == 2
+    assert flex._peagle_flex_attention_compile_failed
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block = flex_mask.block_mask  # the seed's function itself stays eager flex, as it was
+    eager = flex_attention(q, k, v, block_mask=block, scale=0.25, enable_gqa=True)
+    assert torch.equal(flex._peagle_flex_attention(q, k, v, block, 0.25), eager)
+    assert calls == [1, 1]
 
 
 def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypatch):

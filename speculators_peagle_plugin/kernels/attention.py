@@ -109,8 +109,11 @@ def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
                 q, k, v = (t.float() for t in (q, k, v))
                 return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
-    if mask.impl == "flex" and flex.signature(q, k, v) not in flex.compile_failures:
-        out = _peagle_flex_attention(q, k, v, mask.block_mask, scale)
-        if out is not None:
-            return out
+    if mask.impl == "flex":
+        if not flex._peagle_compile_supported(q, k, v):  # CPU, tiny heads: flex runs eager
+            return _peagle_flex_attention(q, k, v, mask.block_mask, scale)
+        if flex.signature(q, k, v) not in flex.compile_failures:
+            out = flex.compiled_flex_attention(q, k, v, mask.block_mask, scale)
+            if out is not None:
+                return out
     return _chunked_attention(q, k, v, mask, scale)

@@ -21,6 +21,7 @@ _peagle_flex_attention_compiled = torch.compile(flex_attention)
 # Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
 # once it has; every later call of that signature is refused.
 compile_failures: dict[tuple, str] = {}
+_peagle_flex_attention_compile_failed = False  # True once any compile has failed
 
 
 def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -28,31 +29,40 @@ def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return all(t.is_cuda for t in (q, k, v)) and min(q.shape[-1], v.shape[-1]) >= 16
 
 
-def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
-    """Flex attention, compiled where Inductor supports the tensors, else eager.
+def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor:
+    """Run the P-EAGLE flex attention, compiling only when Inductor supports it.
 
     Args:
         q: ``[1, nh, N, hd]``; k, v: ``[1, nkv, N, hd]``; block_mask: a flex ``BlockMask``.
 
-    Returns ``None`` once compiling has failed for this signature (logged once, kept in
-    :data:`compile_failures`): eager flex attention materialises every score, which no
-    long row fits, so the caller runs its exact block-sparse path instead.
+    Eager where the compiled kernel is unsupported or failed (:func:`compiled_flex_attention`).
     """
-    gqa = q.shape[1] != k.shape[1]
-    if not _peagle_compile_supported(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    out = compiled_flex_attention(q, k, v, block_mask, scale)
+    if out is None:
+        gqa = q.shape[1] != k.shape[1]
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    return out
+
+
+def compiled_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
+    """Flex attention compiled by Inductor; ``None`` where it is unsupported (CPU, head
+    dim < 16) or has failed for this call's :func:`signature` (logged once, kept in
+    :data:`compile_failures`): eager flex attention materialises every score, which no
+    long row fits, so training runs its exact block-sparse path instead."""
+    global _peagle_flex_attention_compile_failed
     key = signature(q, k, v)
-    if key in compile_failures:
+    if not _peagle_compile_supported(q, k, v) or key in compile_failures:
         return None
     try:
         return _peagle_flex_attention_compiled(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
         lines = str(err).strip().splitlines() or [""]
         compile_failures[key] = f"{type(err).__name__}: {lines[0][:300]}"
+        _peagle_flex_attention_compile_failed = True
         logger.warning(
             "flex_attention compile failed for %s (%s); the block-sparse attention runs "
             "instead.", describe(key), compile_failures[key],
