@@ -51,12 +51,13 @@ from speculators_peagle_plugin.evaluation.report import provenance
 
 def parse_variant(tokens: list[str]) -> tuple[str, dict]:
     """``["hard50", "hard_label_weight=0.5"]`` -> ``("hard50", {"hard_label_weight": 0.5})``."""
+    from speculators_peagle_plugin.common.settings import leaves
     from speculators_peagle_plugin.training.config import TrainConfig
 
     name, overrides = tokens[0], {}
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise SystemExit(f"variant name {name!r} must be letters, digits, '_', '.' or '-'.")
-    known = set(TrainConfig.__dataclass_fields__)
+    known = {leaf.key for leaf in leaves(TrainConfig)}
     for token in tokens[1:]:
         key, sep, value = token.partition("=")
         key = key.replace("-", "_")

@@ -31,16 +31,15 @@ SIDES = ("bare", "loop", "in-line")
 
 
 def _config(args, save_path: str):
-    from speculators_peagle_plugin.cli import build_train_config
+    from speculators_peagle_plugin.options import load_config
     from speculators_peagle_plugin.training.config import TrainConfig
 
-    flags = dict.fromkeys(TrainConfig.__dataclass_fields__)
-    flags.update(
+    flags = dict(
         verifier_name_or_path=args.target, data_path=args.data, save_path=save_path,
         max_steps=str(args.warmup + args.steps), no_resume_from_checkpoint=True,
         checkpoint_freq="1000",
     )  # fmt: skip
-    return build_train_config(args.config, flags)
+    return load_config(TrainConfig, args.config, flags)
 
 
 def run_bare(args) -> list[float]:
@@ -53,7 +52,7 @@ def run_bare(args) -> list[float]:
     with tempfile.TemporaryDirectory() as save:
         config = _config(args, save)
         setup = build_training(config)
-        dtype = getattr(torch, config.dtype)
+        dtype = getattr(torch, config.runtime.dtype)
         steps = args.warmup + args.steps
         per_epoch = len(setup.batches)
         batches = [
@@ -66,7 +65,7 @@ def run_bare(args) -> list[float]:
             began = time.perf_counter()
             setup.optimizer.zero_grad(set_to_none=True)
             module.generator = cod_generator(config.seed, step, 0, setup.world.device)
-            if config.sequence_partitions > 1:
+            if config.peagle.sequence_partitions > 1:
                 plan = module.build_peagle_plan(
                     batch["loss_mask"], document_ids=batch["document_ids"]
                 )
@@ -74,11 +73,11 @@ def run_bare(args) -> list[float]:
             else:
                 segments = [{}]
             for segment in segments:
-                with autocast_context(config, setup.world.device):  # as the loop's forwards
+                with autocast_context(config.runtime, setup.world.device):  # as the loop's forwards
                     out = module.forward_batch(batch, **segment)
                 out.loss.backward()
-            if config.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            if config.optimizer.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
             setup.optimizer.step()
             setup.scheduler.step()
             times.append(time.perf_counter() - began)

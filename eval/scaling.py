@@ -557,7 +557,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
             save_path=str(save), num_layers=layers, seed=seed,
         )  # fmt: skip
 
-    vocab = config_for(Path(inputs["data"]), out, 1, 0).draft_vocab_size
+    vocab = config_for(Path(inputs["data"]), out, 1, 0).draft.draft_vocab_size
     cells = [(n, layers, seed) for n in args.prompts for layers in args.num_layers
              for seed in args.seeds]  # fmt: skip
     for i, (n, layers, seed) in enumerate(cells):
@@ -571,7 +571,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
         config = config_for(data, out / "cells" / name / "train", layers, seed)
         cell = {"dir": str(out / "cells" / name), "prompts": n, "rows": count,
                 "layers": layers, "seed": seed}  # fmt: skip
-        per_epoch = steps_per_epoch(data, config.total_seq_len)
+        per_epoch = steps_per_epoch(data, config.data.total_seq_len)
         plan = {**{k: cell[k] for k in ("prompts", "rows", "layers", "seed")},
                 "steps": args.steps, "config_sha256": yaml_sha256, "data": str(data),
                 **checkpoint_plan(args.steps, per_epoch)}  # fmt: skip

@@ -35,7 +35,6 @@ runtime in one ``speculators-peagle eval`` run on the held-out prompts. The figu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -53,6 +52,7 @@ SPECULATORS_DRAFT = ("draft_init", "num_key_value_heads")
 
 
 def _train_config(spec: dict, side: str):
+    from speculators_peagle_plugin.common.settings import leaves
     from speculators_peagle_plugin.training.config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.
@@ -64,8 +64,8 @@ def _train_config(spec: dict, side: str):
         **seed,
     )  # fmt: skip
     if side == "theirs" and spec.get("theirs_draft") == "speculators":
-        fields = TrainConfig.__dataclass_fields__
-        config = dataclasses.replace(config, **{k: fields[k].default for k in SPECULATORS_DRAFT})
+        defaults = {leaf.key: leaf.default for leaf in leaves(TrainConfig)}
+        config = config.replace(**{k: defaults[k] for k in SPECULATORS_DRAFT})
     return config
 
 
@@ -77,7 +77,7 @@ def train_ours(spec: dict) -> dict:
 
     config = _train_config(spec, "ours")
     checkpoint = train(config)
-    records = [json.loads(line) for line in open(Path(config.save_path) / METRICS_FILE)]
+    records = [json.loads(line) for line in open(Path(config.trainer.save_path) / METRICS_FILE)]
     draft = Path(spec["out"]) / SIDES["ours"]
     link_draft(checkpoint, draft)
     return {
@@ -96,7 +96,8 @@ def train_theirs(spec: dict) -> dict:
     from torch import nn
 
     from speculators_peagle_plugin.demo.artifacts import save_atomically
-    from speculators_peagle_plugin.training.loop import _scheduler, build_training
+    from speculators_peagle_plugin.training.loop import build_training
+    from speculators_peagle_plugin.training.optim import build_scheduler
     from speculators_peagle_plugin.training.step import autocast_context, cod_generator
 
     config = _train_config(spec, "theirs")
@@ -110,10 +111,11 @@ def train_theirs(spec: dict) -> dict:
     del setup  # our draft, trainer and optimizer: not in this side's memory
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = _scheduler(optimizer, config, total)
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    scheduler = build_scheduler(optimizer, config.scheduler, total)
     loss_config = resolve_loss_config("kl_div", "eager")
-    cod = config.cod
+    cod = config.peagle
     max_anchors = spec.get("theirs_max_anchors", cod.max_anchors)
     ratio = spec.get("theirs_down_sample_ratio") or cod.down_sample_ratio
     losses = []
@@ -125,15 +127,15 @@ def train_theirs(spec: dict) -> dict:
         cod_seed = cod_generator(config.seed, step, 0, torch.device("cpu")).initial_seed()
         torch.manual_seed(int(cod_seed))
         optimizer.zero_grad(set_to_none=True)
-        with autocast_context(config, torch.device("cpu")):  # as speculators' Trainer does
+        with autocast_context(config.runtime, torch.device("cpu")):  # as speculators' Trainer does
             _, loss, _ = model(
                 **batch, loss_config=loss_config, max_anchors=max_anchors,
                 num_depths=cod.num_depths, down_sample_ratio=ratio,
                 down_sample_ratio_min=cod.down_sample_ratio_min,
             )  # fmt: skip
         loss.backward()
-        if config.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        if opt.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(params, opt.max_grad_norm)
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))

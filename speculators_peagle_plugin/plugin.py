@@ -14,8 +14,8 @@ from .training.peagle_trainer import PEagleTrainerModule
 
 
 def build_peagle_trainer(draft, config, *, mask_token_id):
-    """:class:`PEagleTrainerModule` over ``draft`` with the config's COD knobs."""
-    cod = config.cod
+    """:class:`PEagleTrainerModule` over ``draft`` with the config's ``peagle`` and ``loss``
+    sections."""
     vocab = draft.embed_tokens.num_embeddings
     if draft.d2t is not None:  # d2t holds offsets: target id = draft id + d2t[draft id]
         selected = draft.d2t + torch.arange(len(draft.d2t), device=draft.d2t.device)
@@ -23,20 +23,7 @@ def build_peagle_trainer(draft, config, *, mask_token_id):
     else:
         selected = torch.arange(vocab)
         selected_mask = torch.ones(vocab, dtype=torch.bool)
-    return PEagleTrainerModule(
-        draft,
-        selected,
-        selected_mask,
-        cod.num_depths,
-        mask_token_id,
-        cod.down_sample_ratio,
-        cod.down_sample_ratio_min,
-        config.sequence_partitions,
-        max_anchors=cod.max_anchors,
-        hard_label_weight=config.hard_label_weight,
-        tv_weight=config.tv_weight,
-        greedy_chains=config.greedy_chains,
-    )
+    return PEagleTrainerModule.from_config(draft, selected, selected_mask, mask_token_id, config)
 
 
 PEAGLE = Algorithm(

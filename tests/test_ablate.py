@@ -87,7 +87,7 @@ def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, mo
         return {"checkpoint": str(save / "checkpoint-1"), "train_s": 1.0}
 
     def fake_heldout(checkpoint, config, path):
-        judged.append(config.data_path)
+        judged.append(config.data.data_path)
         return {}
 
     monkeypatch.setattr(ablate, "_train", fake_train)

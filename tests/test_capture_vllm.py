@@ -114,7 +114,7 @@ def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in long) + "\n")
 
     def replies(output, batch_size):
-        config = DataGenConfig(
+        config = DataGenConfig.from_sources(
             target=str(target), prompts=str(prompts), output=str(tmp_path / output),
             backend="vllm", temperature=1.0, num_samples=3, max_new_tokens=12,
             batch_size=batch_size, kv_cache_gb=1, draft_vocab_size=64,

@@ -244,7 +244,7 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
     generated, target_dir, prompts_path, tmp_path, monkeypatch
 ):
     out = tmp_path / "data"
-    config = DataGenConfig(
+    config = DataGenConfig.from_sources(
         target=str(target_dir), prompts=str(prompts_path), output=str(out),
         max_new_tokens=MAX_NEW, batch_size=2, target_layer_ids=LAYER_IDS, draft_vocab_size=40,
     )  # fmt: skip

@@ -67,13 +67,13 @@ def test_generate_data_takes_a_sliced_prompt_set(target_dir, prompts_path, tmp_p
 
 def test_sampling_is_seeded_and_overrides_the_checkpoints_defaults(target_dir, prompts_path):
     base = {"target": str(target_dir), "prompts": str(prompts_path), "output": "unused"}
-    target = gen_mod.Target(DataGenConfig(**base, max_new_tokens=8))
+    target = gen_mod.Target(DataGenConfig.from_sources(**base, max_new_tokens=8))
     with torch.no_grad():  # a peaked next-token distribution: low temperature == greedy
         target.model.lm_head.weight.mul_(40.0)
     prompts = [target.prompt_ids([{"role": "user", "content": t}]) for t in ("hello", "the fox")]
 
     def run(seed, **settings):
-        target.config = DataGenConfig(**base, max_new_tokens=8, **settings)
+        target.config = DataGenConfig.from_sources(**base, max_new_tokens=8, **settings)
         replies = [None] * len(prompts)
         target.generate(prompts, [seed, seed + 1], lambda j, reply: replies.__setitem__(j, reply))
         return replies

@@ -55,7 +55,7 @@ def test_training_prompts_are_the_demos_and_held_out_sets_are_disjoint(tmp_path)
 
     config = demo.DemoConfig(run_dir=str(tmp_path))
     path = tmp_path / "p.jsonl"
-    assert demo.write_prompts(config.train_prompts, config.eval_prompts, path) == 220
+    assert demo.write_prompts(config.train_prompts, config.sweep.prompt_sets, path) == 220
     rows = load_prompts(path)  # what generate-data reads
     assert rows[0] == load_prompt_set("humaneval[0:1]").conversations[0]
     assert rows[120] == load_prompt_set("chat[0:1]").conversations[0]
@@ -204,19 +204,19 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
     gen, train, check, evaluate = cli.commands
     assert FakeCli._opt(gen, "--target") == str(target)
-    assert FakeCli._opt(gen, "--max-new-tokens") == str(config.max_new_tokens)
+    assert FakeCli._opt(gen, "--max-new-tokens") == str(config.replies.max_new_tokens)
     assert FakeCli._opt(train, "--config") == str(yaml)
     assert FakeCli._opt(train, "--max-steps") == "2"
     assert FakeCli._opt(train, "--data-path") == FakeCli._opt(gen, "--output")
     assert check[1] == str(run_dir / "trained-draft") and FakeCli._opt(check, "-k") == "4"
     assert FakeCli._opt(evaluate, "--draft", all_=True) == [str(run_dir / "trained-draft")]
-    assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.eval_prompts)
+    assert FakeCli._opt(evaluate, "--prompts", all_=True) == list(config.sweep.prompt_sets)
     assert FakeCli._opt(evaluate, "-k") == "2" and FakeCli._opt(evaluate, "--concurrency") == "1,2"
     assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
     assert "--enforce-eager" in evaluate  # the quick demo's engines skip compiling
     # The untrained draft is built from the very config the train command used.
-    assert built[0].data_path == FakeCli._opt(train, "--data-path")
-    assert built[0].num_depths == 4 and built[0].max_steps == 2
+    assert built[0].data.data_path == FakeCli._opt(train, "--data-path")
+    assert built[0].peagle.num_depths == 4 and built[0].trainer.max_steps == 2
     assert (run_dir / "trained-draft" / "model.safetensors").read_text() == "model.safetensors"
     assert not (run_dir / "trained-draft" / "training_state.pt").exists()
     assert summary["acceptance"]["humaneval[120:122]"]["K=2"]["acceptance_length"] == 2.3
@@ -251,7 +251,7 @@ def test_bfloat16_is_used_only_where_the_cpu_has_it_natively(
 def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
     """The full demo's eval runs engines as `vllm serve` does, a setting of its eval stage."""
     cli, _, yaml, _ = fake_pipeline
-    assert demo.DemoConfig.eval_enforce_eager is False
+    assert demo.DemoConfig().sweep.enforce_eager is False
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
                                eval_enforce_eager=False)  # fmt: skip
     demo.run_demo(config, echo=lambda line: None)
@@ -314,7 +314,7 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
     ("overrides", "sentence"),
     [
         ({"gen_backend": "tgi"}, "gen_backend must be one of transformers, vllm, got 'tgi'."),
-        ({"temperature": 0.0}, "temperature must be >= 0, and > 0 with num_samples > 1; got 0.0."),
+        ({"temperature": 0.0}, "num_samples 5 needs temperature > 0: greedy replies to the same"),
         ({"temperature": -1.0, "num_samples": 1}, "got -1.0."),
         ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0."),
         (
@@ -325,7 +325,7 @@ def test_demo_command_rejects_a_missing_config(tmp_path):
 )
 def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
     with pytest.raises(ValueError, match=re.escape(sentence)):
-        demo.DemoConfig(**overrides)
+        demo.DemoConfig.from_sources(**overrides)
 
 
 # ----------------------------------------------------------------- recipes
@@ -357,8 +357,8 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     assert FakeCli._opt(train, "--early-stop-patience") == "2"
     served = run_dir / "trained-draft" / "model.safetensors"
     assert served.read_text() == "best model.safetensors"
-    assert built[0].validation_data_path == FakeCli._opt(validation, "--output")
-    assert built[0].early_stop_patience == 2
+    assert built[0].data.validation_data_path == FakeCli._opt(validation, "--output")
+    assert built[0].trainer.early_stop_patience == 2
     assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
         "humaneval[120:164]", "mt_bench"
     ]  # fmt: skip
@@ -374,10 +374,10 @@ def test_the_long_recipe_trains_on_ten_times_the_demos_prompts_none_held_out():
     from speculators_peagle_plugin.data.prompts import load_prompt_set
 
     config = demo.DemoConfig.from_recipe(RECIPE)
-    assert config.num_samples == 1 and config.max_prompt_tokens == 300
+    assert config.replies.num_samples == 1 and config.max_prompt_tokens == 300
     (spec,) = config.train_prompts
     assert len(load_prompt_set(spec)) >= 10 * 220
-    assert not set(config.eval_prompts) & set(config.validation_prompts)
+    assert not set(config.sweep.prompt_sets) & set(config.validation_prompts)
 
 
 def test_a_prompt_filter_leaves_out_what_it_rejects(tmp_path):

@@ -292,7 +292,7 @@ def test_generate_data_names_the_cause_of_an_engine_that_dies_at_start(
         vllm_client, "WORKER", fake_worker(tmp_path / "worker.py", KV_LOG, error=None)
     )
     out = tmp_path / "data"
-    config = DataGenConfig(
+    config = DataGenConfig.from_sources(
         target=str(target_dir), prompts=str(write_prompt_rows(tmp_path / "p.jsonl")),
         output=str(out), backend="vllm", max_new_tokens=4, target_layer_ids=(1, 2, 3),
         draft_vocab_size=40,

@@ -82,7 +82,7 @@ def sweep(target, draft, out, fail_at=None, **overrides):
     FakeWorker.jobs, FakeWorker.fail_at = [], fail_at
     settings = dict(target=str(target), drafts=(str(draft),), prompt_sets=SETS, ks=(1, 2),
                     concurrency=(1, 2), max_new_tokens=8, output_dir=str(out))  # fmt: skip
-    config = EvalConfig(**{**settings, **overrides})
+    config = EvalConfig.from_sources(**{**settings, **overrides})
     if fail_at is not None:
         with pytest.raises(RuntimeError, match="engine core died"):
             harness.evaluate(config, echo=lambda line: None)

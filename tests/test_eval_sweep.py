@@ -192,7 +192,7 @@ def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     assert summarize({"output_tokens": 0, "wall_s": 0.0})["tpot_s"] is None
     (tmp_path / "config.json").write_text("{}")
     config = EvalConfig(target=str(tmp_path))
-    assert config.concurrency == (1, 4, 16) and config.ks == (1, 2, 4)
+    assert config.sweep.concurrency == (1, 4, 16) and config.sweep.ks == (1, 2, 4)
     assert config.resolved_kv_cache_gb() == CPU_KV_CACHE_GB  # no GPU here
     assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb() == 2
     # engines alive at once share the cache, 1 GiB each at least
@@ -202,7 +202,7 @@ def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     assert config.resolved_interleave() and not EvalConfig(
         target=str(tmp_path), interleave=False).resolved_interleave()  # fmt: skip
     with pytest.raises(ValueError, match="every concurrency must be an integer >= 1"):
-        EvalConfig(target=str(tmp_path), concurrency=(0, 4))
+        EvalConfig.from_sources(target=str(tmp_path), concurrency=(0, 4))
 
 
 class FakeWorker:
@@ -261,9 +261,11 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
     for interleave in (True, False):
         FakeWorker.calls, FakeWorker.closed, sleeps = [], [], []
         monkeypatch.setattr(harness.time, "sleep", sleeps.append)
-        config = EvalConfig(target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=(1, 2),
-                            concurrency=(1, 3), prompt_sets=("a", "b"), interleave=interleave,
-                            output_dir=str(tmp_path / "out"))  # fmt: skip
+        config = EvalConfig.from_sources(
+            target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=(1, 2),
+            concurrency=(1, 3), prompt_sets=("a", "b"), interleave=interleave,
+            output_dir=str(tmp_path / "out"),
+        )  # fmt: skip
         jobs = harness._jobs(config, prompts)
         runs[interleave] = harness._run_jobs(config, jobs, None, tmp_path / "out")
         calls, closed = FakeWorker.calls, FakeWorker.closed

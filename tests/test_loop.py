@@ -145,23 +145,24 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
 
 
 LEAVES_ITS_GROUP = """
-import dataclasses, json, os, sys
+import json, os, sys
 import torch.distributed as dist
 from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.loop import train
 
-config = TrainConfig(**json.loads(sys.argv[1]))
+config = TrainConfig.from_sources(**json.loads(sys.argv[1]))
+save = config.trainer.save_path
 # The caller's own group (its own store: a group re-made on the same store can read the
 # last one's stale addresses): train() leaves it alone.
 rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-store = f"file://{config.save_path}-store"
+store = f"file://{save}-store"
 dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
-train(dataclasses.replace(config, save_path=config.save_path + "-given"), progress=False)
+train(config.replace(save_path=save + "-given"), progress=False)
 assert dist.is_initialized(), "train() destroyed the caller's group"
 dist.destroy_process_group()
 train(config, progress=False)
 assert not dist.is_initialized(), "train() left the group it made alive"
-open(f"{config.save_path}-rank{rank}-ok", "w").close()
+open(f"{save}-rank{rank}-ok", "w").close()
 """
 
 

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,7 +140,7 @@ def test_the_disk_cache_is_bfloat16_capped_and_the_same_in_every_epoch(workdir, 
     # states of other settings are not reused
     key = json.loads((save / CACHE_DIR / CACHE_KEY_FILE).read_text())
     assert key["target_dtype"] == "float32" and key["layer_ids"] == [1, 2, 3]
-    other = build_training(replace(config, target_layer_ids=(0, 1, 3)))
+    other = build_training(config.replace(target_layer_ids=(0, 1, 3)))
     epoch_batches(other, 0)
     assert other.batches.data.online.cache.hits == 0
     assert json.loads((save / CACHE_DIR / CACHE_KEY_FILE).read_text())["layer_ids"] == [0, 1, 3]

@@ -207,7 +207,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    config = DataGenConfig(
+    config = DataGenConfig.from_sources(
         target=str(target), prompts=str(prompts), output=str(tmp_path / "out"),
         backend="vllm", hidden_states_from="generation",
     )  # fmt: skip

@@ -220,7 +220,7 @@ def heldout(monkeypatch):
     calls = []
 
     def fake(checkpoint, config, data_path):
-        calls.append((Path(checkpoint).name, config.num_layers, config.seed, str(data_path)))
+        calls.append((Path(checkpoint).name, config.draft.num_layers, config.seed, str(data_path)))
         return {"acceptance_length": 1.5, "accuracy_per_depth": [0.5, 0.2, 0.1], "loss": 2.0,
                 "supervised": [1, 1, 1]}  # fmt: skip
 

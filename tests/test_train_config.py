@@ -6,25 +6,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators_peagle_plugin.cli import build_train_config
 from speculators_peagle_plugin.core.config import CODConfig
+from speculators_peagle_plugin.options import load_config
 from speculators_peagle_plugin.training.config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 REQUIRED = {"verifier_name_or_path": "/m", "data_path": "/d"}
 
 
+def build_train_config(config_file, flags):
+    """``train``'s config from a YAML file and flags as click passes them (text)."""
+    return load_config(TrainConfig, config_file, flags)
+
+
 def no_flags(**given):
-    flags = dict.fromkeys(TrainConfig.__dataclass_fields__)
-    flags.update(given)
-    return flags
+    return dict(given)  # a flag not given is absent
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
     config = build_train_config(str(path), no_flags(**REQUIRED))
     assert config.algorithm == "peagle"
-    assert isinstance(config.cod, CODConfig)
+    assert isinstance(config.peagle, CODConfig)
 
 
 def test_shipped_configs_cover_the_demo_llama_qwen_and_long_context():
@@ -41,11 +44,12 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("num_depths: 5\nlr: 0.01\ntarget_layer_ids: [1, 2, 3]\n")
     config = build_train_config(str(path), no_flags(**REQUIRED, lr="0.5"))
-    assert (config.num_depths, config.lr, config.target_layer_ids) == (5, 0.5, (1, 2, 3))
-    assert config.down_sample_ratio == CODConfig.down_sample_ratio  # untouched default
+    flat = config.to_dict()
+    assert (flat["num_depths"], flat["lr"], flat["target_layer_ids"]) == (5, 0.5, (1, 2, 3))
+    assert config.peagle.down_sample_ratio == CODConfig.down_sample_ratio  # untouched default
     flags = no_flags(**REQUIRED, target_layer_ids="4,5 6", sliding_window="none")
     config = build_train_config(str(path), flags)
-    assert config.target_layer_ids == (4, 5, 6) and config.sliding_window is None
+    assert config.draft.target_layer_ids == (4, 5, 6) and config.draft.sliding_window is None
 
 
 @pytest.mark.parametrize(
@@ -97,4 +101,4 @@ def test_optimizer_flags_out_of_range_are_one_sentence(flags, message):
 
 def test_max_grad_norm_none_turns_clipping_off():
     config = build_train_config(None, no_flags(**REQUIRED, max_grad_norm="none"))
-    assert config.max_grad_norm is None
+    assert config.optimizer.max_grad_norm is None

@@ -5,7 +5,6 @@ verifier, and a verifier the data does not fit."""
 import json
 import os
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -133,8 +132,9 @@ def test_more_depths_trained_than_served_and_a_hard_label_loss(workdir, tmp_path
     assert "past the 3 depths" in depth_warnings(4)[0].message
     module = build_training(config_for(workdir, tmp_path / "knobs", hard_label_weight=0.25,
                                        tv_weight=0.75, greedy_chains=True)).module  # fmt: skip
-    assert (module.hard_label_weight, module.tv_weight, module.greedy_chains) == (0.25, 0.75, True)
-    assert not build_training(config_for(workdir, tmp_path / "plain")).module.greedy_chains
+    loss, greedy = module.loss_config, module.peagle.greedy_chains
+    assert (loss.hard_label_weight, loss.tv_weight, greedy) == (0.25, 0.75, True)
+    assert not build_training(config_for(workdir, tmp_path / "plain")).module.peagle.greedy_chains
 
 
 def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdir, tmp_path):
@@ -150,14 +150,14 @@ def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdi
     config = config_for(workdir, tmp_path / "unused")
     early, late = (checkpoint_dirs(tmp_path / s)[-1] for s in ("1", "20"))
     flat = heldout_metrics(late, config, workdir / "data", seed=5)
-    split = heldout_metrics(late, replace(config, sequence_partitions=3), workdir / "data", seed=5)
+    split = heldout_metrics(late, config.replace(sequence_partitions=3), workdir / "data", seed=5)
     assert flat["supervised"] == split["supervised"]
     assert flat["accuracy_per_depth"] == pytest.approx(split["accuracy_per_depth"], abs=1e-12)
     assert flat["loss"] == pytest.approx(split["loss"], rel=1e-5)
     assert heldout_metrics(late, config, workdir / "data", seed=5) == flat
     # a recipe that trained on greedy rollouts is still scored on every rollout
     assert (
-        heldout_metrics(late, replace(config, greedy_chains=True), workdir / "data", seed=5) == flat
+        heldout_metrics(late, config.replace(greedy_chains=True), workdir / "data", seed=5) == flat
     )
     data = open_training_data(workdir / "data", draft_vocab_size=DRAFT_VOCAB)
     assert flat["supervised"][0] == data.num_loss_tokens

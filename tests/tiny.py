@@ -104,7 +104,7 @@ def tiny_workdir(root, draft_vocab_size=40):
             words = " ".join(f"w{int(i)}" for i in torch.randint(0, 80, (n,), generator=gen))
             fh.write(json.dumps({"prompt": words}) + "\n")
     generate_data(
-        DataGenConfig(
+        DataGenConfig.from_sources(
             target=target, prompts=str(root / "prompts.jsonl"), output=str(root / "data"),
             max_new_tokens=40, temperature=1.0, batch_size=8, target_layer_ids=(1, 2, 3),
             draft_vocab_size=draft_vocab_size,

@@ -1,23 +1,14 @@
-"""The P-EAGLE algorithm's knobs: one typed, validated place for each default.
+"""The P-EAGLE algorithm's knobs (the ``peagle`` section): one typed, validated place each.
 
-The sampler's signature, the trainer, the CLI and the saved checkpoint all read
-their defaults from :class:`CODConfig`; nothing else repeats them.
+The sampler's signature, the trainer, the CLI and the saved checkpoint all read their
+defaults from :class:`CODConfig` / :class:`PEagleConfig`; nothing else repeats them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _fail(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-
-
-def check_int_at_least(name: str, value: object, low: int) -> int:
-    """Return ``value`` if it is an int >= ``low``; else raise a one-sentence ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        _fail(name, value, f"an integer >= {low}")
-    return value
+from ..common.settings import check_int_at_least, fail, setting
 
 
 @dataclass(frozen=True)
@@ -32,19 +23,19 @@ class CODConfig:
         max_anchors: optional cap on how many chains may start (speculators' knob).
     """
 
-    num_depths: int = 8
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-    max_anchors: int | None = None
+    num_depths: int = setting(8, "Parallel depths trained (COD depths).")
+    down_sample_ratio: float = setting(0.7, "COD decay ratio r.")
+    down_sample_ratio_min: float = setting(0.2, "COD floor r_min.")
+    max_anchors: int | None = setting(None, "Cap on COD chain starts per row.")
 
     def __post_init__(self) -> None:
         check_int_at_least("num_depths", self.num_depths, 1)
         r = self.down_sample_ratio
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 < r <= 1.0:
-            _fail("down_sample_ratio", r, "a number in (0, 1]")
+            fail("down_sample_ratio", r, "a number in (0, 1]")
         r_min = self.down_sample_ratio_min
         if isinstance(r_min, bool) or not isinstance(r_min, int | float) or not 0.0 <= r_min <= 1.0:
-            _fail("down_sample_ratio_min", r_min, "a number in [0, 1]")
+            fail("down_sample_ratio_min", r_min, "a number in [0, 1]")
         if self.max_anchors is not None:
             check_int_at_least("max_anchors", self.max_anchors, 1)
 
@@ -52,3 +43,32 @@ class CODConfig:
         """Elements drawn at ``depth >= 1``: ``int((n_valid - d) * max(r**d, r_min))``."""
         ratio = max(self.down_sample_ratio**depth, self.down_sample_ratio_min)
         return int(max(0, n_valid - depth) * ratio)
+
+
+@dataclass(frozen=True)
+class PEagleConfig(CODConfig):
+    """The ``peagle`` section: COD sampling plus how rollouts are drawn and rows split.
+
+    Args:
+        sequence_partitions: segments ``S`` per row (Algorithm 1); exact for any ``S``.
+        greedy_chains: draw the rollouts of depths >= 1 only along the target's greedy path.
+    """
+
+    sequence_partitions: int = setting(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
+    greedy_chains: bool = setting(
+        False,
+        "Draw the COD rollouts that train depths >= 1 only along the target's greedy path "
+        "(every reply token between anchor and position is the target's argmax): greedy "
+        "serving verifies no other, and sampled replies leave it often.",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int_at_least("sequence_partitions", self.sequence_partitions, 1)
+
+    @property
+    def cod(self) -> CODConfig:
+        """The sampler's knobs alone."""
+        return CODConfig(
+            self.num_depths, self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors
+        )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import check_int_at_least
+from ..common.settings import check_int_at_least
 
 __all__ = [
     "create_peagle_mask_mod",

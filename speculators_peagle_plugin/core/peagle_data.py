@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import CODConfig, check_int_at_least
+from ..common.settings import check_int_at_least
+from .config import CODConfig
 
 __all__ = ["assign_cod_segments", "generate_cod_sample_indices"]
 

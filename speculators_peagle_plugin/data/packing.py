@@ -1,4 +1,5 @@
-"""Packing samples into ``[1, S]`` rows: deterministic per ``(seed, epoch)``, split over ranks.
+"""Packing samples into ``[1, S]`` rows: deterministic per ``(seed, epoch)``, split over ranks;
+and the ``data`` section: what training reads and how long its rows are.
 
 Legend: ``S`` = tokens per packed row, ``H`` = target hidden size, ``n_aux`` = aux layers.
 """
@@ -7,15 +8,42 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.config import check_int_at_least
+from ..common.settings import check_int_at_least, setting
 from .layout import mix_seed
 
 if TYPE_CHECKING:
     from .dataset import TrainingData
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The ``data`` section: the training data, its packed rows, held-out data."""
+
+    data_path: str = setting(
+        "",
+        "Training data in speculators' on-disk format (with --online, token ids and loss "
+        "masks are enough).",
+    )
+    total_seq_len: int = setting(8192, "Tokens per packed row.")
+    validation_data_path: str | None = setting(
+        None,
+        "Held-out data (speculators format, same target and aux layers): every checkpoint's "
+        "estimated acceptance on it goes to validation.jsonl, the best checkpoint to best/.",
+    )
+
+    def __post_init__(self) -> None:
+        check_int_at_least("total_seq_len", self.total_seq_len, 1)
+        if self.validation_data_path and not Path(self.validation_data_path).is_dir():
+            raise ValueError(
+                f"validation_data_path {self.validation_data_path} is not a directory; give "
+                "data made by generate-data for held-out prompts."
+            )
 
 
 def pack_rows(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]:

@@ -146,7 +146,8 @@ def storage_estimate(config, settings: dict, tokenizer, conversations, hs_dir: P
         bytes_per_token=bytes_per_token(hidden_size, num_aux, config.storage_dtype),
         staged_bytes_per_token=staged,
         tokens=token_bound(
-            prompt_lengths(tokenizer, conversations), config.max_new_tokens, config.num_samples
+            prompt_lengths(tokenizer, conversations), config.replies.max_new_tokens,
+            config.replies.num_samples,
         ),
         existing_bytes=existing,
     )

@@ -15,7 +15,7 @@ import torch
 
 from ..common.files import atomic_write
 from ..common.reading import load_plain_torch
-from ..core.config import check_int_at_least
+from ..common.settings import check_int_at_least
 from .layout import TOKEN_FREQ_FILE, DataError
 
 

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
@@ -59,7 +58,7 @@ def _settings(config: DataGenConfig, model_config) -> dict:
             f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
             f"size {text_config.vocab_size}."
         )
-    settings = asdict(config)
+    settings = config.to_dict()
     settings.update(
         target=str(Path(config.target).resolve()),
         prompts=resolved_spec(config.prompts),

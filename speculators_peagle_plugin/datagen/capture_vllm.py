@@ -126,7 +126,7 @@ def write_hidden_states_vllm(
     overrides = capture_engine_overrides(
         config, layer_ids, settings["target_num_layers"], staging.absolute()
     )
-    shard = config.batch_size * VLLM_BATCHES_PER_SHARD
+    shard = config.replies.batch_size * VLLM_BATCHES_PER_SHARD
     start, tokens = time.perf_counter(), 0
     with (
         VllmWorker(
@@ -142,7 +142,7 @@ def write_hidden_states_vllm(
             rows = {i: dataset[i]["input_ids"] for i in todo[b : b + shard]}
             job = VllmJob(
                 target=str(Path(config.target).resolve()), prompts=list(rows.values()),
-                max_tokens=1, batch_size=config.batch_size, dtype=config.dtype,
+                max_tokens=1, batch_size=config.replies.batch_size, dtype=config.dtype,
                 seed=config.seed, engine_overrides=overrides,
             )  # fmt: skip
             before = bar.n

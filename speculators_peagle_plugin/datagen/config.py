@@ -1,4 +1,6 @@
-"""The settings of ``generate-data`` (:class:`DataGenConfig`) and its generators' constants.
+"""The settings of ``generate-data`` (:class:`DataGenConfig`, with its ``replies`` section,
+:class:`ReplyConfig`, which online training and the demo compose too) and its generators'
+constants.
 
 The directory it writes is :mod:`..data.layout`'s.
 """
@@ -9,9 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.devices import checked_device
-from ..common.dtypes import DTYPE_NAMES, DTYPES
-from ..common.flags import flag_field as _opt
-from ..core.config import check_int_at_least
+from ..common.dtypes import DTYPE_NAMES
+from ..common.settings import (
+    Settings,
+    check_choices,
+    check_int_at_least,
+    check_optional_ints,
+    section,
+    setting,
+)
 from ..data.prompts import prompt_source_exists
 from ..data.storage import FLOAT8
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
@@ -31,16 +39,10 @@ VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
 
 @dataclass(frozen=True)
-class DataGenConfig:
-    """Settings of ``speculators-peagle generate-data`` (each default lives here).
+class ReplyConfig:
+    """The target's replies to the prompts (the ``replies`` section; each default lives here).
 
     Args:
-        target: local transformers model directory (weights, config, tokenizer, chat template).
-        prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``,
-            ``sharegpt``, ``mbpp``, ..., a ``.jsonl`` file or a dataset saved with
-            ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those); rows as
-            :func:`~..data.prompts.load_prompts` reads them.
-        output: directory for the speculators-format data (created; resumed if it exists).
         max_new_tokens: tokens generated per assistant turn.
         temperature: 0 = greedy; > 0 samples (with ``top_p``, no top-k).
         top_p: nucleus mass in (0, 1] when sampling.
@@ -50,10 +52,55 @@ class DataGenConfig:
         num_samples: replies per prompt (> 1 needs ``temperature`` > 0): each is its own row.
         backend: what generates the replies. ``transformers`` (``generate``, batched);
             ``vllm``: vLLM in a child process, faster on CPU (continuous batching, paged KV
-            cache). vLLM samples each reply with its own seed (``seed``, the prompt's index
-            and the turn), so its replies do not depend on ``batch_size``, and a resumed run
-            draws the replies an uninterrupted one would (up to the rounding of batched
-            arithmetic).
+            cache). vLLM samples each reply with its own seed (the generation's seed, the
+            prompt's index and the turn), so its replies do not depend on ``batch_size``, and
+            a resumed run draws the replies an uninterrupted one would (up to the rounding of
+            batched arithmetic).
+    """
+
+    max_new_tokens: int = setting(256, "Tokens per reply.")
+    temperature: float = setting(0.0, "The replies' sampling temperature; 0 = greedy.")
+    top_p: float = setting(1.0, "Nucleus mass when sampling.")
+    batch_size: int = setting(8, "Prompts generated together.")
+    num_samples: int = setting(1, "Replies per prompt (> 1 needs --temperature > 0).")
+    backend: str = setting(
+        "transformers",
+        "What generates the replies (vllm: continuous batching).",
+        choices=BACKENDS,
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("max_new_tokens", "batch_size", "num_samples"):
+            check_int_at_least(name, getattr(self, name), 1)
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature {self.temperature} is above vLLM's limit; with --backend vllm "
+                f"it must be in [0, {VLLM_MAX_TEMPERATURE}]."
+            )
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(
+                f"num_samples {self.num_samples} needs temperature > 0: greedy replies to the "
+                "same prompt are identical."
+            )
+
+
+@dataclass(frozen=True)
+class DataGenConfig(Settings):
+    """Settings of ``speculators-peagle generate-data`` (each default lives here).
+
+    Args:
+        target: local transformers model directory (weights, config, tokenizer, chat template).
+        prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``,
+            ``sharegpt``, ``mbpp``, ..., a ``.jsonl`` file or a dataset saved with
+            ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those); rows as
+            :func:`~..data.prompts.load_prompts` reads them.
+        output: directory for the speculators-format data (created; resumed if it exists).
+        replies: the replies' settings (:class:`ReplyConfig`).
         hidden_states_from: what computes the hidden states: ``vllm`` (a prefill of each row
             through vLLM's ``extract_hidden_states`` method; where vLLM cannot, the
             transformers pass runs instead and the log says why), ``transformers`` (one
@@ -81,25 +128,16 @@ class DataGenConfig:
         device: torch device of the target.
     """
 
-    target: str = _opt(help="Local transformers target model directory.", show=None)
-    prompts: str = _opt(
+    target: str = setting(help="Local transformers target model directory.", show=None)
+    prompts: str = setting(
         help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt, mbpp, ..., a "
         ".jsonl file (messages/conversations/prompt rows) or a dataset saved with save_to_disk, "
         "optionally sliced like chat[100:]; a mix joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
     )
-    output: str = _opt(help="Output directory (resumed if it exists).", show=None)
-    max_new_tokens: int = _opt(256, "Tokens per reply.")
-    temperature: float = _opt(0.0, "0 = greedy.")
-    top_p: float = _opt(1.0, "Nucleus mass when sampling.")
-    batch_size: int = _opt(8, "Prompts generated together.")
-    num_samples: int = _opt(1, "Replies per prompt (> 1 needs --temperature > 0).")
-    backend: str = _opt(
-        "transformers",
-        "What generates the replies (vllm: continuous batching).",
-        choices=BACKENDS,
-    )
-    hidden_states_from: str | None = _opt(
+    output: str = setting(help="Output directory (resumed if it exists).", show=None)
+    replies: ReplyConfig = section(ReplyConfig)
+    hidden_states_from: str | None = setting(
         None,
         "What computes the hidden states (vllm falls back to transformers where it cannot, "
         "and logs why; generation: the replies' vLLM engine records them as it generates, "
@@ -107,21 +145,21 @@ class DataGenConfig:
         choices=STATE_SOURCES,
         show="generation with --backend vllm, else transformers",
     )
-    hidden_states_dtype: str = _opt(
+    hidden_states_dtype: str = setting(
         "target",
         "Stored hidden states: target = in --dtype; float8 = float8_e4m3fn with a float32 "
         "scale per token (half of bfloat16's disk; its acceptance cost is measured in "
         "eval/RESULTS.md).",
         choices=STORAGE_DTYPES,
     )
-    tensor_parallel_size: int = _opt(1, "vLLM's tensor parallel size (vllm only).")
-    kv_cache_gb: int | None = _opt(None, "vLLM's CPU KV cache in GiB (vllm backend).")
-    target_layer_ids: tuple[int, ...] | None = _opt(
-        None, "Aux layer ids, e.g. 2,15,27.", ints=True, show="2,N//2,N-3"
+    tensor_parallel_size: int = setting(1, "vLLM's tensor parallel size (vllm only).")
+    kv_cache_gb: int | None = setting(None, "vLLM's CPU KV cache in GiB (vllm backend).")
+    target_layer_ids: tuple[int, ...] | None = setting(
+        None, "Aux layer ids, e.g. 2,15,27.", show="2,N//2,N-3"
     )
-    draft_vocab_size: int = _opt(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
-    max_samples: int | None = _opt(None, "Use only the first N prompts.", show=None)
-    contamination_guard: bool = _opt(
+    draft_vocab_size: int = setting(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
+    max_samples: int | None = setting(None, "Use only the first N prompts.", show=None)
+    contamination_guard: bool = setting(
         True,
         "Keep the prompts that copy a held-out evaluation prompt (HumanEval[120:164], "
         "MT-Bench, GSM8K test, chat[100:]), which are dropped by default.",
@@ -129,18 +167,18 @@ class DataGenConfig:
         negate=True,
         show=None,
     )
-    seed: int = _opt(0, "Sampling seed.")
-    dtype: str = _opt(
+    seed: int = setting(0, "Sampling seed.")
+    dtype: str = setting(
         "float32", "Target dtype, also the hidden states' dtype.", choices=DTYPE_NAMES
     )
-    device: str = _opt("cpu", "Torch device of the target.")
+    device: str = setting("cpu", "Torch device of the target.")
 
     @property
     def capture_backend(self) -> str:
         """What computes the hidden states (a ``STATE_SOURCES`` name)."""
         if self.hidden_states_from is not None:
             return self.hidden_states_from
-        return "generation" if self.backend == "vllm" else "transformers"
+        return "generation" if self.replies.backend == "vllm" else "transformers"
 
     @property
     def storage_dtype(self) -> str:
@@ -148,47 +186,16 @@ class DataGenConfig:
         return self.dtype if self.hidden_states_dtype == "target" else self.hidden_states_dtype
 
     def __post_init__(self) -> None:
-        counts = ("max_new_tokens", "batch_size", "draft_vocab_size", "num_samples")
-        for name in (*counts, "tensor_parallel_size"):
+        check_choices(self)
+        for name in ("draft_vocab_size", "tensor_parallel_size"):
             check_int_at_least(name, getattr(self, name), 1)
-        if self.kv_cache_gb is not None:
-            check_int_at_least("kv_cache_gb", self.kv_cache_gb, 1)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
-        if self.hidden_states_from not in (None, *STATE_SOURCES):
-            raise ValueError(
-                f"hidden_states_from must be one of {', '.join(STATE_SOURCES)}, "
-                f"got {self.hidden_states_from!r}."
-            )
-        if self.hidden_states_from == "generation" and self.backend != "vllm":
+        check_optional_ints(self, {"kv_cache_gb": 1, "max_samples": 1})
+        check_int_at_least("seed", self.seed, 0)
+        if self.hidden_states_from == "generation" and self.replies.backend != "vllm":
             raise ValueError(
                 "hidden_states_from generation records the states in the replies' vLLM "
-                f"engine, so it needs backend vllm, got backend {self.backend!r}."
+                f"engine, so it needs backend vllm, got backend {self.replies.backend!r}."
             )
-        if self.hidden_states_dtype not in STORAGE_DTYPES:
-            raise ValueError(
-                f"hidden_states_dtype must be one of {', '.join(STORAGE_DTYPES)}, "
-                f"got {self.hidden_states_dtype!r}."
-            )
-        if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
-            raise ValueError(
-                f"temperature {self.temperature} is above vLLM's limit; with --backend vllm "
-                f"it must be in [0, {VLLM_MAX_TEMPERATURE}]."
-            )
-        if self.num_samples > 1 and self.temperature == 0:
-            raise ValueError(
-                f"num_samples {self.num_samples} needs temperature > 0: greedy replies to the "
-                "same prompt are identical."
-            )
-        check_int_at_least("seed", self.seed, 0)
-        if self.max_samples is not None:
-            check_int_at_least("max_samples", self.max_samples, 1)
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         checked_device(self.device)
         if not (Path(self.target) / "config.json").is_file():
             raise ValueError(

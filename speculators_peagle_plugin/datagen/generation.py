@@ -39,7 +39,7 @@ class Target:
         from transformers import AutoTokenizer
 
         self.config = config
-        if "vllm" in (config.backend, config.capture_backend):
+        if "vllm" in (config.replies.backend, config.capture_backend):
             check_parallel_size(config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target)
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -66,7 +66,7 @@ class Target:
     def generator(self, log_path: Path):
         """While open, :meth:`generate` runs on the configured backend (vLLM: a child process
         that is gone again when the block ends, so the hidden-state phase has the cores)."""
-        if self.config.backend != "vllm":
+        if self.config.replies.backend != "vllm":
             yield
             return
         # In process: the engine starts in seconds, and plain decoding (no draft) runs as fast
@@ -106,14 +106,14 @@ class Target:
         """
         from transformers import GenerationConfig
 
-        cfg = self.config
+        cfg, replies = self.config, self.config.replies
         if self.vllm is not None:
             record = record if self.record_error is None else None
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
-                max_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                seed=cfg.seed, seeds=seeds if cfg.temperature > 0 else None,
-                temperature=cfg.temperature, top_p=cfg.top_p,
+                max_tokens=replies.max_new_tokens, batch_size=replies.batch_size,
+                dtype=cfg.dtype, seed=cfg.seed, seeds=seeds if replies.temperature > 0 else None,
+                temperature=replies.temperature, top_p=replies.top_p,
                 prefix_caching=True,
                 engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
                 extension=recording_extension(record) if record else None,
@@ -138,14 +138,14 @@ class Target:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        sample = cfg.temperature > 0
+        sample = replies.temperature > 0
         # An explicit config: the checkpoint's own defaults (often sampling, top-k 50) must not
         # leak in; top_k=0 leaves only temperature and top-p, as vLLM's defaults do.
         gen_config = GenerationConfig(
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=replies.max_new_tokens,
             do_sample=sample,
-            temperature=cfg.temperature if sample else None,
-            top_p=cfg.top_p if sample else None,
+            temperature=replies.temperature if sample else None,
+            top_p=replies.top_p if sample else None,
             top_k=0 if sample else None,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
@@ -294,13 +294,13 @@ def generate_responses(
     from tqdm import tqdm
 
     cfg = target.config
-    prompts = [turns for turns in prompts for _ in range(cfg.num_samples)]
+    prompts = [turns for turns in prompts for _ in range(cfg.replies.num_samples)]
     responses = output / RESPONSES_DIR
     responses.mkdir(exist_ok=True)
     done = _done_shards(responses)
     todo = [i for i in range(len(prompts)) if i not in done]
-    vllm = cfg.backend == "vllm"
-    shard_size = cfg.batch_size * (VLLM_BATCHES_PER_SHARD if vllm else 1)
+    vllm = cfg.replies.backend == "vllm"
+    shard_size = cfg.replies.batch_size * (VLLM_BATCHES_PER_SHARD if vllm else 1)
     job_size = shard_size * (VLLM_SHARDS_PER_JOB if vllm else 1)
     start, tokens = time.perf_counter(), 0
     with (

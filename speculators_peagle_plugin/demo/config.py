@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
 from ..common.reading import read_yaml_mapping
-from ..datagen.config import BACKENDS
+from ..common.settings import Settings, build, check_optional_ints, leaves, section, setting
+from ..datagen.config import ReplyConfig
+from ..evaluation.config import SweepConfig
 
 __all__ = ["DemoConfig", "QUICK", "quick_config"]
 
+QUICK_RUN_DIR = "runs/demo-quick"
+
+
+def _demo_replies() -> ReplyConfig:
+    return ReplyConfig(max_new_tokens=200, temperature=0.7, batch_size=128, num_samples=5,
+                       backend="vllm")  # fmt: skip
+
+
+def _demo_sweep() -> SweepConfig:
+    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
+    return SweepConfig(
+        prompt_sets=("humaneval[120:164]", "chat[100:]", "mt_bench[::10]"), ks=(2, 4),
+        concurrency=(1, 16), prompts_per_slot=4, max_new_tokens=128, enforce_eager=False,
+    )  # fmt: skip
+
 
 @dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(Settings):
     """What the demo runs (each default lives here; ``quick_config`` shortens them).
 
     Args:
         run_dir: directory for everything the demo writes (resumed if it exists).
         train_config: the training YAML given to ``speculators-peagle train --config``.
-        train_prompts / eval_prompts: prompt-set specs (``data.prompts.load_prompt_set``);
-            the eval sets must not overlap the training sets.
+        train_prompts: prompt-set specs (``data.prompts.load_prompt_set``); the eval sets
+            must not overlap them.
         validation_prompts: held-out prompts whose replies score every checkpoint
             (``train --validation-data-path``; the best checkpoint is the one served);
             empty: no validation.
@@ -28,73 +45,59 @@ class DemoConfig:
             checkpoints in a row have not beaten the best (None: train every epoch).
         max_prompt_tokens: training and validation prompts longer than this (chat template
             applied) are left out: a reply after them would not fit the training rows.
-        max_new_tokens: reply length cap when generating training data.
-        num_samples / temperature: replies sampled per training prompt, at this temperature.
-        gen_backend: generate-data's ``--backend`` (vllm batches the requests in flight).
-        gen_batch_size: replies generated together (vLLM: requests in flight).
+        replies: generate-data's reply settings (keys ``max_new_tokens``, ``num_samples``,
+            ``temperature``, ``gen_backend``, ``gen_batch_size``).
         max_steps: cap on optimizer steps (None: the YAML's epochs).
         num_speculative_tokens: K the draft is trained and checked for.
-        eval_ks / eval_concurrency: the eval's sweep: K values x requests in flight.
-        eval_prompts_per_slot: at concurrency c the eval decodes the first
-            ``eval_prompts_per_slot * c`` prompts of each set: single-request decoding is
-            slow on a CPU, and at the largest concurrency every held-out prompt still runs.
-        eval_max_new_tokens: per request in vLLM.
-        eval_enforce_eager: eval's ``--enforce-eager``: engines start sooner, but tokens/s
-            are not those of ``vllm serve``, which compiles the models.
+        sweep: the eval's sweep (keys ``eval_prompts``, ``eval_ks``, ``eval_concurrency``,
+            ``eval_prompts_per_slot``, ``eval_max_new_tokens``, ``eval_enforce_eager``): at
+            concurrency c it decodes the first ``eval_prompts_per_slot * c`` prompts of each
+            set, since single-request decoding is slow on a CPU and at the largest
+            concurrency every held-out prompt still runs; ``eval_enforce_eager`` starts
+            engines sooner, but their tokens/s are not those of ``vllm serve``.
         kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
         target_dtype: the target's dtype when it writes the data and serves in eval (the
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
             on CPUs that multiply it natively, float32 elsewhere.
         quick: a CI-sized run whose figures mean nothing.
 
-    A recipe (``demo --recipe FILE.yaml``, :meth:`from_recipe`) sets any of these fields.
+    A recipe (``demo --recipe FILE.yaml``, :meth:`from_recipe`) sets any of these keys.
     """
 
-    run_dir: str = "runs/demo"
-    train_config: str = str(Path(__file__).with_name("demo_smollm2.yaml"))
+    run_dir: str = setting(
+        "runs/demo", "Where everything goes; rerunning resumes it.",
+        show=f"runs/demo, {QUICK_RUN_DIR} with --quick",
+    )  # fmt: skip
+    train_config: str = setting(
+        str(Path(__file__).with_name("demo_smollm2.yaml")), "Training YAML.", flag="--config",
+        show="configs/demo_smollm2.yaml",
+    )  # fmt: skip
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
     validation_prompts: tuple[str, ...] = ()
     max_prompt_tokens: int | None = None
     early_stop_patience: int | None = None
-    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
-    eval_prompts: tuple[str, ...] = ("humaneval[120:164]", "chat[100:]", "mt_bench[::10]")
-    max_new_tokens: int = 200
-    num_samples: int = 5
-    temperature: float = 0.7
-    gen_backend: str = "vllm"
-    gen_batch_size: int = 128
+    replies: ReplyConfig = section(
+        ReplyConfig, factory=_demo_replies, hidden=("top_p",), flags=False,
+        keys={"backend": "gen_backend", "batch_size": "gen_batch_size"},
+    )  # fmt: skip
     max_steps: int | None = None
     num_speculative_tokens: int = 4
-    eval_ks: tuple[int, ...] = (2, 4)
-    eval_concurrency: tuple[int, ...] = (1, 16)
-    eval_prompts_per_slot: int = 4
-    eval_max_new_tokens: int = 128
-    eval_enforce_eager: bool = False
+    sweep: SweepConfig = section(
+        SweepConfig, factory=_demo_sweep, prefix="eval_", keys={"prompt_sets": "eval_prompts"},
+        flags=False,
+    )  # fmt: skip
     kv_cache_gb: int = 4
     target_dtype: str = "auto"
-    quick: bool = False
+    quick: bool = setting(
+        False, "CI-sized run: 6 prompts, 2 steps, a short eval.", switch=True, show=None
+    )
 
     def __post_init__(self) -> None:
         if not Path(self.train_config).is_file():
             raise ValueError(f"training config {self.train_config} does not exist.")
-        for name in ("max_new_tokens", "num_samples", "gen_batch_size", "num_speculative_tokens",
-                     "eval_max_new_tokens", "eval_prompts_per_slot", "kv_cache_gb"):  # fmt: skip
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        for name in ("eval_ks", "eval_concurrency"):
-            values = getattr(self, name)
-            if not values or not all(isinstance(v, int) and v >= 1 for v in values):
-                raise ValueError(f"{name} must be integers >= 1, got {values!r}.")
-
-        if self.gen_backend not in BACKENDS:
-            raise ValueError(
-                f"gen_backend must be one of {', '.join(BACKENDS)}, got {self.gen_backend!r}."
-            )
-        if not self.temperature >= 0 or (self.num_samples > 1 and self.temperature == 0):
-            raise ValueError(
-                f"temperature must be >= 0, and > 0 with num_samples > 1; got {self.temperature}."
-            )
+        check_optional_ints(self, {"num_speculative_tokens": 1, "kv_cache_gb": 1,
+                                   "max_steps": 1, "max_prompt_tokens": 1,
+                                   "early_stop_patience": 1})  # fmt: skip
         if self.target_dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "
@@ -102,41 +105,43 @@ class DemoConfig:
             )
         if self.early_stop_patience is not None and not self.validation_prompts:
             raise ValueError("early_stop_patience needs validation_prompts to score on.")
-        for name in ("max_steps", "max_prompt_tokens", "early_stop_patience"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):  # fmt: skip
-                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}.")
 
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> DemoConfig:
-        """The demo configured by the YAML recipe ``path`` (keys: this class's fields; a
+        """The demo configured by the YAML recipe ``path`` (keys: this class's; a
         relative ``train_config`` is read beside the recipe), then ``overrides``.
 
         Example: ``configs/recipes/long_smollm2.yaml`` -> ShareGPT + MBPP prompts, validation,
         early stopping, MT-Bench's 80 questions in the eval.
         """
-        path = Path(path)
-        values = read_yaml_mapping(path)
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(
-                f"recipe {path} has unknown key(s) {', '.join(unknown)}; allowed: "
-                f"{', '.join(known)}."
-            )
-        for name, value in values.items():
-            if isinstance(value, list):
-                values[name] = tuple(value)
-        if "train_config" in values:
-            values["train_config"] = str(path.parent / values["train_config"])
-        return cls(**{**values, **overrides})
+        return cls.from_command(path, overrides)
+
+    @classmethod
+    def from_command(cls, recipe: str | Path | None, given: dict) -> DemoConfig:
+        """``demo``'s settings: :data:`QUICK`'s with ``--quick``, else a recipe's, then the
+        flags ``given``."""
+        if given.get("quick") and recipe:
+            raise ValueError("--quick and --recipe are exclusive: choose one.")
+        values = dict(QUICK) if given.get("quick") else {}
+        if recipe is not None:
+            path = Path(recipe)
+            values = dict(read_yaml_mapping(path))
+            known = [leaf.key for leaf in leaves(cls)]
+            unknown = sorted(set(values) - set(known))
+            if unknown:
+                raise ValueError(
+                    f"recipe {path} has unknown key(s) {', '.join(unknown)}; allowed: "
+                    f"{', '.join(known)}."
+                )
+            if "train_config" in values:
+                values["train_config"] = str(path.parent / values["train_config"])
+        return build(cls, {**values, **given}, recipe)
 
 
 # The CI-sized demo: 6 training prompts, 24-token replies, 2 steps, a 2 x 1 sweep of 4
 # short eval prompts on uncompiled engines.
 QUICK = dict(
-    run_dir="runs/demo-quick",
+    run_dir=QUICK_RUN_DIR,
     train_prompts=("humaneval[0:3]", "chat[0:3]"),
     eval_prompts=("humaneval[120:122]", "chat[100:102]"),
     max_new_tokens=24,
@@ -154,4 +159,4 @@ QUICK = dict(
 
 def quick_config(**overrides) -> DemoConfig:
     """:data:`QUICK`'s values, then ``overrides``, over :class:`DemoConfig`'s defaults."""
-    return DemoConfig(**{**QUICK, **overrides})
+    return build(DemoConfig, {**QUICK, **overrides})

@@ -138,12 +138,12 @@ def _prompts_stage(
 ) -> dict:  # fmt: skip
     """Write ``specs`` (the training prompts by default) to ``path``, held out from eval."""
     specs = config.train_prompts if specs is None else specs
-    inputs = {"specs": list(specs), "eval": list(config.eval_prompts)}
+    inputs = {"specs": list(specs), "eval": list(config.sweep.prompt_sets)}
     if config.max_prompt_tokens is not None:
         inputs["max_prompt_tokens"] = config.max_prompt_tokens
 
     def write() -> dict:
-        count = write_prompts(specs, config.eval_prompts, path, _prompt_filter(config, target))
+        count = write_prompts(specs, config.sweep.prompt_sets, path, _prompt_filter(config, target))
         stages.echo(f"[{name}] {count} conversations -> {path}")
         return {"count": count, "sha256": _sha256(path.read_bytes())}
 
@@ -161,20 +161,22 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
     prompts_path = layout.prompts if prompts_path is None else prompts_path
     output = layout.data if output is None else output
 
+    replies = config.replies
+
     def generate() -> dict:
         _command(["generate-data", "--target", str(target), "--prompts", str(prompts_path),
-                  "--output", str(output), "--max-new-tokens", str(config.max_new_tokens),
-                  "--num-samples", str(config.num_samples),
-                  "--temperature", str(config.temperature), "--backend", config.gen_backend,
-                  "--batch-size", str(config.gen_batch_size),
+                  "--output", str(output), "--max-new-tokens", str(replies.max_new_tokens),
+                  "--num-samples", str(replies.num_samples),
+                  "--temperature", str(replies.temperature), "--backend", replies.backend,
+                  "--batch-size", str(replies.batch_size),
                   "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype],
                  echo, name)  # fmt: skip
         return {"path": str(output)}
 
     inputs = {
-        "prompts": prompts["sha256"], "max_new_tokens": config.max_new_tokens,
-        "num_samples": config.num_samples, "temperature": config.temperature,
-        "backend": config.gen_backend, "dtype": dtype,
+        "prompts": prompts["sha256"], "max_new_tokens": replies.max_new_tokens,
+        "num_samples": replies.num_samples, "temperature": replies.temperature,
+        "backend": replies.backend, "dtype": dtype,
     }  # fmt: skip
     stages.run(name, inputs, generate, lambda out: (output / "state.json").is_file())
     return inputs
@@ -247,15 +249,15 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
 
     def evaluate() -> dict:
         args = ["eval", "--target", str(target), "--draft", str(layout.trained_draft),
-                "-k", ",".join(map(str, config.eval_ks)),
-                "--concurrency", ",".join(map(str, config.eval_concurrency)),
-                "--prompts-per-slot", str(config.eval_prompts_per_slot),
-                "--max-new-tokens", str(config.eval_max_new_tokens),
+                "-k", ",".join(map(str, config.sweep.ks)),
+                "--concurrency", ",".join(map(str, config.sweep.concurrency)),
+                "--prompts-per-slot", str(config.sweep.prompts_per_slot),
+                "--max-new-tokens", str(config.sweep.max_new_tokens),
                 "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
                 "--out", str(layout.eval)]  # fmt: skip
-        for spec in config.eval_prompts:
+        for spec in config.sweep.prompt_sets:
             args += ["--prompts", spec]
-        if config.eval_enforce_eager:
+        if config.sweep.enforce_eager:
             args.append("--enforce-eager")
         _command(args, echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
@@ -263,11 +265,11 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                 "plots": [str(p) for p in plots if p.is_file()]}  # fmt: skip
 
     inputs = {
-        "checkpoint": trained, "specs": list(config.eval_prompts),
-        "ks": list(config.eval_ks), "concurrency": list(config.eval_concurrency),
-        "prompts_per_slot": config.eval_prompts_per_slot,
-        "max_new_tokens": config.eval_max_new_tokens, "dtype": dtype,
-        "enforce_eager": config.eval_enforce_eager,
+        "checkpoint": trained, "specs": list(config.sweep.prompt_sets),
+        "ks": list(config.sweep.ks), "concurrency": list(config.sweep.concurrency),
+        "prompts_per_slot": config.sweep.prompts_per_slot,
+        "max_new_tokens": config.sweep.max_new_tokens, "dtype": dtype,
+        "enforce_eager": config.sweep.enforce_eager,
     }  # fmt: skip
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 

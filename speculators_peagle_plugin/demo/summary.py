@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +45,7 @@ def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str
     seconds = stages.seconds()
     total = sum(seconds.values())
     summary = {
-        "config": dataclasses.asdict(config),
+        "config": config.to_dict(),
         "stage_seconds": seconds,
         "pipeline_seconds": total,
         "this_invocation_seconds": wall_s,

@@ -1,7 +1,7 @@
 """Finished cells kept across runs (``OUT/cells.jsonl``): a rerun measures only the missing.
 
 A cell is one (prompt set, draft or no draft, K, concurrency) of the sweep. The harness
-saves cells in units (:func:`~.harness.resume_units`: the concurrency-1 cells of a prompt
+saves cells in units (:func:`resume_units`: the concurrency-1 cells of a prompt
 set when the engines take turns, every other cell alone), one JSON line per unit, appended
 as soon as the unit's last prompt is decoded::
 
@@ -32,9 +32,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..engine.counters import SpecDecodeCounters
 from ..engine.vllm_client import VllmJob
 
 __all__ = ["CELLS_FILE", "FinishedCells", "cell_key"]
@@ -97,3 +99,50 @@ class FinishedCells:
             f.flush()
             os.fsync(f.fileno())
         self.units[_canonical(key)] = results
+
+
+def resume_units(jobs: Sequence, in_turns: bool) -> list[tuple[int, ...]]:
+    """The groups of the harness's jobs (indices) that are saved and reused as one.
+
+    Rule: when the engines take turns (:func:`~.harness.plan_turns`), the concurrency-1 jobs of one
+    prompt set are one unit; every other job is a unit of its own. A speedup is a draft
+    cell's tokens/s over the baseline's at the same concurrency; cells measured in turns
+    owe that ratio to sharing the same minutes, whose drift cancels out of it, so a rerun
+    reuses them all or measures them all again in turns, and never pairs a draft cell with
+    a baseline measured in other turns. A job measured whole was paired across minutes
+    from the start (one engine after another), so it stands alone.
+
+    Example: no draft, K=1 and K=2 at c = 1, 4 on sets a, b, in turns -> units
+    (a c=1: no draft, K=1, K=2), (b c=1: no draft, K=1, K=2), then each c=4 job alone.
+    """
+    units: dict[object, tuple[int, ...]] = {}
+    for i, job in enumerate(jobs):
+        together = in_turns and job.engine.batch_size == 1
+        unit = ("turns", job.prompt_set) if together else i
+        units[unit] = units.get(unit, ()) + (i,)
+    return list(units.values())
+
+
+def merge_pieces(pieces: Sequence[dict]) -> dict:
+    """One cell's result from the results of its pieces, in prompt order: counts, tokens and
+    decode time add up; per-request lists and outputs concatenate."""
+    if len(pieces) == 1:
+        return {**pieces[0], "pieces": 1}
+    counters = None
+    if pieces[0]["counters"] is not None:
+        counters = sum((SpecDecodeCounters(**p["counters"]) for p in pieces), SpecDecodeCounters())
+        counters = counters.to_dict()
+
+    def joined(key: str) -> list | None:
+        return None if pieces[0].get(key) is None else [v for p in pieces for v in p[key]]
+
+    return {
+        **pieces[0],
+        "counters": counters,
+        "output_tokens": sum(p["output_tokens"] for p in pieces),
+        "wall_s": sum(p["wall_s"] for p in pieces),
+        "time_per_output_token_s": joined("time_per_output_token_s"),
+        "accepted_histograms": joined("accepted_histograms"),
+        "outputs": joined("outputs"),
+        "pieces": len(pieces),
+    }

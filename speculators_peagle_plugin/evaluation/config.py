@@ -1,9 +1,10 @@
 """``speculators-peagle eval``'s settings: one typed, validated place for each default.
 
 Every field that is a flag carries its help text (and its choices, its flag name when it
-is not the field's name) in its metadata (:func:`~..common.flags.flag_field`); the ``eval``
+is not the field's name) in its metadata (:func:`~..common.settings.setting`); the ``eval``
 command's options are generated from them, so a default or a choice list is written here
-and nowhere else.
+and nowhere else. :class:`SweepConfig` (what each cell measures) is the section the demo
+composes too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
-from ..common.flags import flag_field as _opt
+from ..common.settings import Settings, section
+from ..common.settings import setting as _opt
 
 BACKENDS = ("vllm", "reference")
 # vLLM's CPU KV cache when --kv-cache-gb is not given: room for the sweep's largest batch of
@@ -27,12 +29,10 @@ def _stamp() -> str:
 
 
 @dataclass
-class EvalConfig:
-    """What to evaluate and how.
+class SweepConfig:
+    """The cells of a sweep and what each decodes (the ``sweep`` section).
 
     Args:
-        target: local target directory (transformers format, with its tokenizer).
-        drafts: P-EAGLE checkpoint directories; each is run at every K.
         prompt_sets: prompt-set specs (:func:`~speculators_peagle_plugin.data.prompts.
             load_prompt_set`).
         ks: ``num_speculative_tokens`` values; several = a sweep.
@@ -41,6 +41,66 @@ class EvalConfig:
             whose ``max_num_seqs`` is the largest.
         prompts_per_slot: at concurrency c, decode only the first ``prompts_per_slot * c``
             prompts of each set (None: all), so that low-concurrency cells stay short.
+        enforce_eager: vLLM's ``enforce_eager``; False (vLLM's default, what ``vllm serve``
+            runs) compiles the target and the draft at each engine start.
+    """
+
+    prompt_sets: tuple[str, ...] = _opt(
+        ("humaneval",),
+        "humaneval, mt_bench, gsm8k, chat or a .jsonl, optionally sliced: humaneval[120:164] "
+        "(repeatable).",
+        flag="--prompts",
+        multiple=True,
+        show="humaneval",
+    )
+    ks: tuple[int, ...] = _opt(
+        (1, 2, 4),
+        "K, or a comma-separated sweep: 1,2,4.",
+        flag="--num-speculative-tokens",
+        short="-k",
+        show="1,2,4",
+    )
+    max_new_tokens: int = _opt(128, "Tokens decoded per request.")
+    concurrency: tuple[int, ...] = _opt(
+        (1, 4, 16), "Requests in flight, or a comma-separated sweep: 1,4,16.", show="1,4,16"
+    )
+    prompts_per_slot: int | None = _opt(
+        None,
+        "At concurrency c, decode only the first N*c prompts of each set.",
+        show="all prompts",
+    )
+    enforce_eager: bool = _opt(
+        False,
+        "Run the models without compiling them (vLLM's --enforce-eager): each engine starts "
+        "sooner, but decodes slower than `vllm serve` does by default, so tokens/s and "
+        "speedups are not the served ones.",
+        switch=True,
+        show=None,
+    )
+
+    def __post_init__(self) -> None:
+        self.prompt_sets = tuple(self.prompt_sets)
+        self.ks = tuple(sorted(set(self.ks)))
+        self.concurrency = tuple(sorted(set(self.concurrency)))
+        for name in ("max_new_tokens", "prompts_per_slot"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        for name, values in (("K", self.ks), ("concurrency", self.concurrency)):
+            if not values or not all(map(_positive_int, values)):
+                raise ValueError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
+        if not self.prompt_sets:
+            raise ValueError("give at least one prompt set.")
+
+
+@dataclass
+class EvalConfig(Settings):
+    """What to evaluate and how.
+
+    Args:
+        target: local target directory (transformers format, with its tokenizer).
+        drafts: P-EAGLE checkpoint directories; each is run at every K.
+        sweep: the cells and what each decodes (:class:`SweepConfig`).
         backend: ``vllm`` (the real engine, out of process) or ``reference``.
         baseline: also run without a draft (tokens/s for the speedup).
         ignore_eos: decode exactly ``max_new_tokens`` tokens.
@@ -49,8 +109,6 @@ class EvalConfig:
         kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``), shared by the engines
             alive at once; None = ``CPU_KV_CACHE_GB`` on CPU, vLLM's default on GPU
             (:meth:`resolved_kv_cache_gb`).
-        enforce_eager: vLLM's ``enforce_eager``; False (vLLM's default, what ``vllm serve``
-            runs) compiles the target and the draft at each engine start.
         in_process: run vLLM's engine core inside the worker process instead of its own
             (vLLM's default). An engine then starts several times faster on CPU, but the
             frontend shares the engine's pinned core, so tokens/s drop: for tests and
@@ -65,40 +123,14 @@ class EvalConfig:
     drafts: tuple[str, ...] = _opt(
         (), "P-EAGLE checkpoint (repeatable).", flag="--draft", multiple=True, show=None
     )
-    prompt_sets: tuple[str, ...] = _opt(
-        ("humaneval",),
-        "humaneval, mt_bench, gsm8k, chat or a .jsonl, optionally sliced: humaneval[120:164] "
-        "(repeatable).",
-        flag="--prompts",
-        multiple=True,
-        show="humaneval",
-    )
-    ks: tuple[int, ...] = _opt(
-        (1, 2, 4),
-        "K, or a comma-separated sweep: 1,2,4.",
-        flag="--num-speculative-tokens",
-        short="-k",
-        ints=True,
-        show="1,2,4",
-    )
-    max_new_tokens: int = _opt(128, "Tokens decoded per request.")
-    concurrency: tuple[int, ...] = _opt(
-        (1, 4, 16),
-        "Requests in flight, or a comma-separated sweep: 1,4,16.",
-        ints=True,
-        show="1,4,16",
-    )
-    prompts_per_slot: int | None = _opt(
-        None,
-        "At concurrency c, decode only the first N*c prompts of each set.",
-        flag="--prompts-per-slot",
-        show="all prompts",
-    )
+    sweep: SweepConfig = section(SweepConfig)
     backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS)
     baseline: bool = _opt(
         True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None
     )
-    ignore_eos: bool = _opt(False, "Always decode --max-new-tokens tokens.", show=None)
+    ignore_eos: bool = _opt(
+        False, "Always decode --max-new-tokens tokens.", switch=True, show=None
+    )
     dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES)
     max_model_len: int | None = _opt(None, "vLLM max_model_len.", show="the target's")
     output_dir: str = _opt(
@@ -114,13 +146,9 @@ class EvalConfig:
         show=f"{CPU_KV_CACHE_GB} on CPU",
     )
     in_process: bool = _opt(
-        False, "vLLM engine core inside the worker: fast start, slower tokens/s.", show=None
-    )
-    enforce_eager: bool = _opt(
         False,
-        "Run the models without compiling them (vLLM's --enforce-eager): each engine starts "
-        "sooner, but decodes slower than `vllm serve` does by default, so tokens/s and "
-        "speedups are not the served ones.",
+        "vLLM engine core inside the worker: fast start, slower tokens/s.",
+        switch=True,
         show=None,
     )
     interleave: bool = _opt(
@@ -133,24 +161,15 @@ class EvalConfig:
     )
 
     def __post_init__(self) -> None:
-        self.drafts, self.prompt_sets = tuple(self.drafts), tuple(self.prompt_sets)
-        self.ks = tuple(sorted(set(self.ks)))
-        self.concurrency = tuple(sorted(set(self.concurrency)))
-        for name in ("max_new_tokens", "prompts_per_slot", "kv_cache_gb"):
-            value = getattr(self, name)
-            if value is not None and not _positive_int(value):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        for name, values in (("K", self.ks), ("concurrency", self.concurrency)):
-            if not values or not all(map(_positive_int, values)):
-                raise ValueError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
+        self.drafts = tuple(self.drafts)
+        if self.kv_cache_gb is not None and not _positive_int(self.kv_cache_gb):
+            raise ValueError(f"kv_cache_gb must be an integer >= 1, got {self.kv_cache_gb!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}.")
         if not self.drafts and not self.baseline:
             raise ValueError("nothing to evaluate: give a draft or keep the baseline run.")
-        if not self.prompt_sets:
-            raise ValueError("give at least one prompt set.")
         if not (Path(self.target) / "config.json").is_file():
             raise ValueError(
                 f"target {self.target!r} is not a local model directory (no config.json)."

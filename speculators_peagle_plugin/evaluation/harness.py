@@ -37,7 +37,7 @@ from ..engine.reference import ReferenceRuntime, stop_token_ids
 from ..engine.vllm_client import VllmJob, VllmWorker
 from ..serving.check import check_checkpoint
 from .card import update_model_cards
-from .cells import CELLS_FILE, FinishedCells, cell_key
+from .cells import CELLS_FILE, FinishedCells, cell_key, merge_pieces, resume_units
 from .config import EvalConfig
 from .report import finish_record, start_record, summarize
 
@@ -56,7 +56,7 @@ def evaluate(
 
     checks = _check_drafts(config, echo)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
-    prompt_sets = [load_prompt_set(spec) for spec in config.prompt_sets]
+    prompt_sets = [load_prompt_set(spec) for spec in config.sweep.prompt_sets]
     prompts = {p.name: render_prompts(tokenizer, p) for p in prompt_sets}
     jobs = _jobs(config, prompts)
     out_dir = Path(config.output_dir)
@@ -77,7 +77,7 @@ def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
     kept = {}
     for draft in config.drafts:
         findings = check_checkpoint(
-            draft, config.target, num_speculative_tokens=max(config.ks), device=device
+            draft, config.target, num_speculative_tokens=max(config.sweep.ks), device=device
         )
         errors = [f for f in findings if f.severity == "error"]
         if errors:
@@ -110,27 +110,28 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
     concurrency in flight itself."""
     drafts = ([None] if config.baseline else []) + list(config.drafts)
     names = [Path(d).name for d in config.drafts]
+    sweep = config.sweep
     jobs = []
     for draft in drafts:
         label = "no draft" if draft is None else Path(draft).name
         if draft is not None and names.count(label) > 1:
             label = str(draft)  # two checkpoints with one directory name
         for k, c, (name, ids) in itertools.product(
-            [0] if draft is None else config.ks, config.concurrency, prompts.items()
+            [0] if draft is None else sweep.ks, sweep.concurrency, prompts.items()
         ):
             engine = VllmJob(
                 target=str(Path(config.target).resolve()),
                 draft=None if draft is None else str(Path(draft).resolve()),
                 num_speculative_tokens=k or None,
-                prompts=ids[: config.prompts_per_slot * c] if config.prompts_per_slot else ids,
-                max_tokens=config.max_new_tokens,
+                prompts=ids[: sweep.prompts_per_slot * c] if sweep.prompts_per_slot else ids,
+                max_tokens=sweep.max_new_tokens,
                 batch_size=c,
-                max_num_seqs=max(config.concurrency),
+                max_num_seqs=max(sweep.concurrency),
                 ignore_eos=config.ignore_eos,
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 seed=config.seed,
-                enforce_eager=config.enforce_eager,
+                enforce_eager=sweep.enforce_eager,
             )
             jobs.append(_Job(name, label, engine))
     return jobs
@@ -211,53 +212,6 @@ def plan_turns(jobs: Sequence[_Job], interleave: bool) -> list[tuple[int, VllmJo
                 plan.append((i, dataclasses.replace(jobs[i].engine, prompts=piece)))
     plan += [(i, job.engine) for i, job in enumerate(jobs) if job.engine.batch_size != 1]
     return plan
-
-
-def resume_units(jobs: Sequence[_Job], in_turns: bool) -> list[tuple[int, ...]]:
-    """The groups of jobs (indices) that are saved and reused as one (:mod:`.cells`).
-
-    Rule: when the engines take turns (:func:`plan_turns`), the concurrency-1 jobs of one
-    prompt set are one unit; every other job is a unit of its own. A speedup is a draft
-    cell's tokens/s over the baseline's at the same concurrency; cells measured in turns
-    owe that ratio to sharing the same minutes, whose drift cancels out of it, so a rerun
-    reuses them all or measures them all again in turns, and never pairs a draft cell with
-    a baseline measured in other turns. A job measured whole was paired across minutes
-    from the start (one engine after another), so it stands alone.
-
-    Example: no draft, K=1 and K=2 at c = 1, 4 on sets a, b, in turns -> units
-    (a c=1: no draft, K=1, K=2), (b c=1: no draft, K=1, K=2), then each c=4 job alone.
-    """
-    units: dict[object, tuple[int, ...]] = {}
-    for i, job in enumerate(jobs):
-        together = in_turns and job.engine.batch_size == 1
-        unit = ("turns", job.prompt_set) if together else i
-        units[unit] = units.get(unit, ()) + (i,)
-    return list(units.values())
-
-
-def merge_pieces(pieces: Sequence[dict]) -> dict:
-    """One cell's result from the results of its pieces, in prompt order: counts, tokens and
-    decode time add up; per-request lists and outputs concatenate."""
-    if len(pieces) == 1:
-        return {**pieces[0], "pieces": 1}
-    counters = None
-    if pieces[0]["counters"] is not None:
-        counters = sum((SpecDecodeCounters(**p["counters"]) for p in pieces), SpecDecodeCounters())
-        counters = counters.to_dict()
-
-    def joined(key: str) -> list | None:
-        return None if pieces[0].get(key) is None else [v for p in pieces for v in p[key]]
-
-    return {
-        **pieces[0],
-        "counters": counters,
-        "output_tokens": sum(p["output_tokens"] for p in pieces),
-        "wall_s": sum(p["wall_s"] for p in pieces),
-        "time_per_output_token_s": joined("time_per_output_token_s"),
-        "accepted_histograms": joined("accepted_histograms"),
-        "outputs": joined("outputs"),
-        "pieces": len(pieces),
-    }
 
 
 # After its last step a vLLM engine's processes keep polling their shared-memory queues for

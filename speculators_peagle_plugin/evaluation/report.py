@@ -10,7 +10,6 @@ counted the same way):
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -221,7 +220,7 @@ def start_record(config, argv, checks: dict[str, list[dict]], tokenizer, prompt_
     return {
         "schema": 1,
         "provenance": provenance(argv),
-        "config": dataclasses.asdict(config),
+        "config": config.to_dict(),
         "target": {
             "path": str(Path(config.target).resolve()),
             "config_sha256": hash_files([Path(config.target) / "config.json"]),

@@ -18,12 +18,38 @@ once per distinct target position, so no ``[chunk, V_d]`` log-softmax is formed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..common.settings import check_finite, fail, setting
 
 # Rows per chunk: small enough that a chunk's [rows, V_d] float32 buffers stay in the last
 # level cache across the chunk's elementwise passes, large enough that its matmuls stay
 # efficient (``python -m eval.bench_train_step`` times the step).
 CHUNK_ROWS = 512
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The ``loss`` section: what :func:`fused_linear_kl` adds to the plain KL."""
+
+    hard_label_weight: float = setting(
+        0.0,
+        "Weight w of the target's argmax in the KL target, (1-w) p + w onehot(argmax p): "
+        "greedy acceptance checks only the argmax. 0 = plain KL (speculators').",
+    )
+    tv_weight: float = setting(
+        0.0,
+        "Weight of a total-variation term, sum |p - q| / 2 per element, added to the loss: "
+        "a sampled draft token is rejected at that rate. 0 = none.",
+    )
+
+    def __post_init__(self) -> None:
+        w = self.hard_label_weight
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
+            fail("hard_label_weight", w, "a number in [0, 1]")
+        check_finite("tv_weight", self.tv_weight, 0, strict=False)
 
 
 def _lse(row_max: torch.Tensor, softmax: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:

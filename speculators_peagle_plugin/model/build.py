@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..common.settings import check_choices, check_int_at_least, check_optional_ints, setting
 from .peagle_draft import PEagleDraftModel
 
 # speculators owns "peagle" in its model registry; ours is registered beside it.
@@ -11,6 +14,56 @@ SPECULATORS_REGISTRY_NAME = "peagle_plugin"
 # speculators' defaults for a draft: its draft vocabulary and its layers' sliding window.
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
 DEFAULT_SLIDING_WINDOW = 2048
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The ``draft`` section: the draft's shape, vocabulary, mask token and first weights."""
+
+    num_layers: int = setting(1, "Number of draft decoder layers.")
+    draft_arch: str = setting("llama", "Draft decoder layer type.", choices=("llama", "qwen3"))
+    draft_vocab_size: int = setting(
+        DEFAULT_DRAFT_VOCAB_SIZE, "Draft vocabulary size (d2t/t2d from token_freq.pt)."
+    )
+    mask_token_id: int | None = setting(
+        None, "Token id for the K-1 mask slots; default: one the tokenizer never produces."
+    )
+    target_layer_ids: tuple[int, ...] | None = setting(
+        None, "Aux hidden-state layer ids of the target; default: those the data was made with."
+    )
+    sliding_window: int | None = setting(
+        DEFAULT_SLIDING_WINDOW,
+        "Sliding window of the draft layers (speculators' default); none = full attention.",
+    )
+    full_attention_indices: tuple[int, ...] = setting((), "Draft layers that use full attention.")
+    num_key_value_heads: int | None = setting(
+        None,
+        "Key/value heads of the draft's attention (a divisor of its query heads); default: the "
+        "verifier's. The K-1 mask slots see the context only through these values, so a 1-layer "
+        "draft of a GQA target learns its later depths far better with more.",
+    )
+    draft_init: str = setting(
+        "random",
+        "Initial draft: random (speculators'), or verifier: fc passes the deepest aux state "
+        "through and the draft layers start as the verifier layers that follow it.",
+        choices=("random", "verifier"),
+    )
+    norm_before_residual: bool = setting(False, "Normalise before the residual (vLLM's default).")
+    embed_requires_grad: bool = setting(False, "Train the token embedding too.")
+    num_speculative_tokens: int | None = setting(
+        None,
+        "K the checkpoint declares for serving (vLLM's num_speculative_tokens), at most "
+        "num_depths; default: num_depths. Training more depths than are served teaches the "
+        "served ones from longer chains.",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check_int_at_least("num_layers", self.num_layers, 1)
+        check_int_at_least("draft_vocab_size", self.draft_vocab_size, 1)
+        check_optional_ints(
+            self, {"sliding_window": 1, "num_key_value_heads": 1, "num_speculative_tokens": 1}
+        )
 
 
 def register_with_speculators() -> str:
@@ -39,24 +92,28 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
     """The draft ``speculators train --speculator-type peagle`` builds, as our class.
 
     speculators' own builders shape the decoder from the verifier and copy its embedding
-    and lm_head rows; only the class (ours, with the P-EAGLE mixins) differs.
+    and lm_head rows; only the class (ours, with the P-EAGLE mixins) differs. ``config``:
+    a TrainConfig (its ``draft``, ``peagle`` and ``verifier`` sections).
     """
     from speculators.models.peagle.core import PEagleDraftModel as SpeculatorsPEagle
     from speculators.train.cli import create_transformer_layer_config
 
     register_with_speculators()
-    num_layers = config.num_layers
-    full = range(num_layers) if config.sliding_window is None else config.full_attention_indices
+    draft_config, verifier = config.draft, config.verifier.verifier_name_or_path
+    depths = config.peagle.num_depths
+    num_layers = draft_config.num_layers
+    window = draft_config.sliding_window
+    full = range(num_layers) if window is None else draft_config.full_attention_indices
     layer_config = create_transformer_layer_config(
-        verifier_name_or_path=config.verifier_name_or_path,
+        verifier_name_or_path=verifier,
         num_layers=num_layers,
-        draft_arch=config.draft_arch,
+        draft_arch=draft_config.draft_arch,
         hidden_act=None,
         # speculators' builder needs a window even when every layer is full attention
-        sliding_window=config.sliding_window or DEFAULT_SLIDING_WINDOW,
+        sliding_window=window or DEFAULT_SLIDING_WINDOW,
         full_attention_indices=list(full),
     )
-    kv_heads = config.num_key_value_heads
+    kv_heads = draft_config.num_key_value_heads
     if kv_heads is not None:
         heads = layer_config.num_attention_heads
         if heads % kv_heads:
@@ -70,26 +127,26 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
         verifier_config=layer_config,
         t2d=t2d,
         d2t=d2t,
-        verifier_name_or_path=config.verifier_name_or_path,
+        verifier_name_or_path=verifier,
         target_layer_ids=list(target_layer_ids),
-        draft_vocab_size=config.draft_vocab_size,
-        norm_before_residual=config.norm_before_residual,
-        embed_requires_grad=config.embed_requires_grad,
+        draft_vocab_size=draft_config.draft_vocab_size,
+        norm_before_residual=draft_config.norm_before_residual,
+        embed_requires_grad=draft_config.embed_requires_grad,
         mask_token_id=mask_token_id,
-        num_depths=config.num_depths,
+        num_depths=depths,
         draft_attn_impl="sdpa",
     )
-    draft.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
+    draft.embed_tokens.weight.requires_grad_(draft_config.embed_requires_grad)
     # vLLM's llama P-EAGLE draft sizes fc for 3 aux layers unless its layer config says
     # how many (speculators' builder does not record it)
     draft.config.transformer_layer_config.num_aux_hidden_states = len(target_layer_ids)
-    served = config.num_speculative_tokens
-    if served is not None and served != config.num_depths:
+    served = draft_config.num_speculative_tokens
+    if served is not None and served != depths:
         # vLLM reads only the served K; the depths trained stay beside it for `check`.
         draft.config.speculators_config.proposal_methods[0].speculative_tokens = served
-        draft.config.num_depths = config.num_depths
-    if config.draft_init == "verifier":
-        init_from_verifier(draft, config.verifier_name_or_path, target_layer_ids)
+        draft.config.num_depths = depths
+    if draft_config.draft_init == "verifier":
+        init_from_verifier(draft, verifier, target_layer_ids)
     return draft
 
 

@@ -9,7 +9,18 @@ the stream before it: :class:`FinalNormInput` captures that one with a hook.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..common.settings import setting
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """The ``verifier`` section: the target model whose drafts are trained."""
+
+    verifier_name_or_path: str = setting("", "Local directory of the target (verifier) model.")
 
 
 def eos_token_ids(tokenizer, generation_config) -> list[int]:

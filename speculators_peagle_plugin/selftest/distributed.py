@@ -42,7 +42,7 @@ def _config(world, wrapper: str, partitions: int, autocast: str, scratch: str, s
     """The step's settings (``train_step`` draws each rank's COD from ``seed``)."""
     from ..training.config import TrainConfig
 
-    return TrainConfig(
+    return TrainConfig.from_sources(
         verifier_name_or_path="selftest", data_path="selftest", save_path=scratch,
         sequence_partitions=partitions, fsdp=wrapper == "fsdp", autocast=autocast,
         device=str(world.device), seed=seed,

@@ -81,7 +81,7 @@ def _ours(shape, device: torch.device, autocast: str):
         seq_len = batch["input_ids"].shape[1]
         module.sequence_partitions = segments_for(seq_len)
         # the step reads no path: these only satisfy the config's checks
-        config = TrainConfig(
+        config = TrainConfig.from_sources(
             verifier_name_or_path="selftest", data_path="selftest", save_path="selftest",
             sequence_partitions=module.sequence_partitions, autocast=autocast, device=str(device),
         )  # fmt: skip

@@ -21,8 +21,10 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.settings import Settings, setting
 from .check_config import CONFIG_GATES, CONFIG_RULES, LAYER_TYPES, CheckedDraft, Rule
 from .check_target import check_target
 from .check_weights import check_weights
@@ -47,6 +49,28 @@ __all__ = [
 ]
 
 DEVICES = ("cpu", "cuda", "any")  # where a draft will be served; any = no device rules
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedDraft(Settings):
+    """A checkpoint, the target it drafts for and the device it will be served on."""
+
+    checkpoint: str = setting(help="The draft checkpoint directory.", argument=True)
+    target: str | None = setting(
+        None, "Local target directory.", show="the checkpoint's verifier"
+    )
+    device: str | None = setting(
+        None, "Serving device; cpu checks CPU head dims.", choices=DEVICES, show="this machine"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckConfig(ServedDraft):
+    """What ``speculators-peagle check`` checks."""
+
+    num_speculative_tokens: int | None = setting(
+        None, "K it will be served with.", short="-k", show=None
+    )
 
 
 def check_checkpoint(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ from safetensors.torch import save_file
 
 from ..common.files import atomic_directory
 from ..common.reading import read_json
-from .check import run_rules
+from ..common.settings import setting
+from .check import ServedDraft, run_rules
 from .checkpoint import (
     DEFAULT_AUX_LAYERS,
     PREFIX,
@@ -38,6 +40,19 @@ from .checkpoint import (
 from .model_card import read_card, write_model_card
 
 __all__ = ["export_checkpoint"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig(ServedDraft):
+    """What ``speculators-peagle export`` writes, and what it fills in that the config lacks."""
+
+    output: str = setting(help="Directory for the fixed copy.", argument=True)
+    mask_token_id: int | None = setting(
+        None, "The trained mask id, if the config lacks it.", show=None
+    )
+    num_speculative_tokens: int | None = setting(
+        None, "The trained K, if the config lacks it.", short="-k", show=None
+    )
 
 
 def export_checkpoint(

@@ -12,6 +12,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,12 +20,15 @@ from torch import nn
 
 from ..common.files import atomic_directory
 from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
+from ..common.settings import check_finite, check_int_at_least, check_optional_ints, setting
 from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
 from ..serving.model_card import write_model_card
-from .config import TrainConfig
 from .distributed import World, sharded
 from .online import online_data_path
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "training_state.pt"
@@ -39,6 +43,39 @@ PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path"})
 _DRAFT_PREFIX = "trainer_module.draft."
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The ``trainer`` section: how long to train, where checkpoints go, what to resume."""
+
+    save_path: str = setting("./checkpoints", "Directory for checkpoints and the metrics log.")
+    epochs: int = setting(20, "Passes over the data.")
+    max_steps: int | None = setting(None, "Stop after this many optimizer steps.")
+    checkpoint_freq: float = setting(
+        1.0, "Checkpoint every N epochs (< 1: several times per epoch)."
+    )
+    keep_checkpoints: int = setting(2, "How many of the newest checkpoints to keep.")
+    early_stop_patience: int | None = setting(
+        None,
+        "With --validation-data-path: stop once this many checkpoints in a row have not "
+        "beaten the best estimated acceptance.",
+    )
+    no_resume_from_checkpoint: bool = setting(
+        False, "Start fresh even if save_path holds a checkpoint.", switch=True
+    )
+    resume: str | None = setting(None, "Resume from this checkpoint directory.")
+
+    def __post_init__(self) -> None:
+        if Path(self.save_path).is_file():
+            raise ValueError(
+                f"--save-path {self.save_path} is a file, not a directory; choose a new or "
+                "empty directory, or the save path of the run to resume."
+            )
+        check_int_at_least("epochs", self.epochs, 1)
+        check_int_at_least("keep_checkpoints", self.keep_checkpoints, 1)
+        check_optional_ints(self, {"max_steps": 1, "early_stop_patience": 1})
+        check_finite("checkpoint_freq", self.checkpoint_freq, 0)
 
 
 def checkpoint_dirs(save_path: Path) -> list[Path]:
@@ -58,7 +95,7 @@ def _full_state_options(**kw):
 
 
 def _model_state(wrapped: nn.Module, draft: nn.Module, config: TrainConfig, world: World):
-    if sharded(config, world):
+    if sharded(config.runtime, world):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         full = get_model_state_dict(wrapped, options=_full_state_options(cpu_offload=True))
@@ -67,7 +104,7 @@ def _model_state(wrapped: nn.Module, draft: nn.Module, config: TrainConfig, worl
 
 
 def _optim_state(wrapped, optimizer, config: TrainConfig, world: World):
-    if sharded(config, world):
+    if sharded(config.runtime, world):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(
@@ -129,7 +166,7 @@ def save_checkpoint(
                 f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; free some space "
                 "or choose another --save-path, then run the same command again to resume."
             ) from None
-        for old in checkpoint_dirs(save_path)[: -config.keep_checkpoints]:
+        for old in checkpoint_dirs(save_path)[: -config.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
@@ -138,9 +175,9 @@ def save_checkpoint(
 def _how_it_was_made(config: TrainConfig, step: int) -> dict:
     """The model card's account of a checkpoint: its data's generation settings (from the
     data directory, or the replies ``--online --prompts`` generated), recipe and steps."""
-    made = {"steps": step, "data_path": config.data_path or None, "recipe": config.to_dict()}
+    made = {"steps": step, "data_path": config.data.data_path or None, "recipe": config.to_dict()}
     settings = online_data_path(config) / SETTINGS_FILE
-    if (config.prompts or config.data_path) and settings.is_file():
+    if (config.online.prompts or config.data.data_path) and settings.is_file():
         made["data"] = read_json(settings)
     return made
 
@@ -162,7 +199,7 @@ def read_checkpoint(path: Path) -> ResumePoint:
     return ResumePoint(path, state, load_safetensors(path / "model.safetensors"))
 
 
-def _resume_point(config: TrainConfig, save_path: Path) -> ResumePoint | None:
+def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
     if config.resume:
         path = Path(config.resume)
         if not (path / STATE_FILE).exists():
@@ -191,7 +228,7 @@ def resume_point(config: TrainConfig, save_path: Path, world: World) -> ResumePo
     ``--resume DIR`` must load; otherwise the newest checkpoint in ``save_path`` that loads
     (a damaged one is skipped with a warning). Its settings are checked against ``config``.
     """
-    point = _resume_point(config, save_path) if world.rank == 0 else None
+    point = _resume_point(config.trainer, save_path) if world.rank == 0 else None
     if world.distributed:
         holder = [str(point.path) if point else ""]
         dist.broadcast_object_list(holder, src=0)
@@ -211,11 +248,11 @@ def _comparable(name: str, value):
 
 
 def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
+    current = config.to_dict()
     changed = sorted(
         k
         for k, v in point.state["config"].items()
-        if k not in RESUMABLE_CHANGES
-        and _comparable(k, getattr(config, k, None)) != _comparable(k, v)
+        if k not in RESUMABLE_CHANGES and _comparable(k, current.get(k)) != _comparable(k, v)
     )
     if changed:
         raise ValueError(
@@ -228,7 +265,7 @@ def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
 def load_checkpoint(point: ResumePoint, wrapped, draft, optimizer, scheduler, config, world) -> int:
     """Restore weights, optimizer, scheduler and RNG from ``point``; returns its step."""
     state, weights = point.state, point.weights
-    if sharded(config, world):
+    if sharded(config.runtime, world):
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,

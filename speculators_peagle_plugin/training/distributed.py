@@ -1,4 +1,5 @@
-"""Processes and devices: the world of ranks, the DDP / FSDP2 wrapper, gradient-sync control."""
+"""Processes and devices: the ``runtime`` section, the world of ranks, the DDP / FSDP2
+wrapper, gradient-sync control."""
 
 from __future__ import annotations
 
@@ -11,7 +12,38 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.devices import checked_device
-from .config import TrainConfig
+from ..common.dtypes import DTYPE_NAMES
+from ..common.settings import check_choices, setting
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The ``runtime`` section: where and in what precision the draft trains."""
+
+    gradient_checkpointing: bool = setting(False, "Recompute each draft layer in backward.")
+    dtype: str = setting("float32", "Training precision.", choices=DTYPE_NAMES)
+    autocast: str = setting(
+        "none",
+        "Mixed precision: forward matmuls in this dtype under torch.autocast, weights and "
+        "optimizer state in float32 (speculators' trainer autocasts to bfloat16).",
+        choices=("none", "bfloat16"),
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
+    fsdp: bool = setting(False, "Shard the draft with FSDP2 under torchrun (large drafts).")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ValueError(
+                f"autocast {self.autocast} keeps float32 weights: it needs dtype float32, "
+                f"got {self.dtype}."
+            )
+
+    @property
+    def hidden_states_dtype(self) -> str:
+        """The batches' hidden states: the autocast dtype (all they meet first is ``fc`` and
+        the verifier head, linears that autocast would lower them for), else ``dtype``."""
+        return self.dtype if self.autocast == "none" else self.autocast
 
 
 def env_rank() -> int:
@@ -108,11 +140,11 @@ class StepModule(nn.Module):
         return {"loss": loss, "metrics": metrics}
 
 
-def wrap(step_module: StepModule, config: TrainConfig, world: World) -> nn.Module:
+def wrap(step_module: StepModule, runtime: RuntimeConfig, world: World) -> nn.Module:
     """``step_module`` as the world trains it: itself alone, else under FSDP2 or DDP."""
     if not world.distributed:
         return step_module
-    if config.fsdp:
+    if runtime.fsdp:
         from torch.distributed.fsdp import fully_shard
 
         # One FSDP unit: parameters, gradients and optimizer state are sharded, and every
@@ -124,16 +156,16 @@ def wrap(step_module: StepModule, config: TrainConfig, world: World) -> nn.Modul
     return nn.parallel.DistributedDataParallel(step_module, device_ids=device_ids)
 
 
-def sync_context(wrapped: nn.Module, config: TrainConfig, world: World, last: bool):
+def sync_context(wrapped: nn.Module, runtime: RuntimeConfig, world: World, last: bool):
     """Gradient all-reduce only on a rank's last backward of the step."""
     if not world.distributed:
         return nullcontext()
-    if config.fsdp:
+    if runtime.fsdp:
         wrapped.set_requires_gradient_sync(last)
         return nullcontext()
     return nullcontext() if last else wrapped.no_sync()
 
 
-def sharded(config: TrainConfig, world: World) -> bool:
+def sharded(runtime: RuntimeConfig, world: World) -> bool:
     """Whether the draft's state lives sharded across ranks (FSDP2 over several ranks)."""
-    return config.fsdp and world.distributed
+    return runtime.fsdp and world.distributed

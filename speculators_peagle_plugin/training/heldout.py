@@ -8,7 +8,6 @@ acceptance follows; it costs one pass over the data instead of an engine per dra
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,12 +42,13 @@ def heldout_metrics(
         count-weighted training objective (KL and the config's loss terms), argmax accuracy
         per depth, the greedy-chain estimate from it, and the supervised elements per depth.
     """
-    device = torch.device(config.device)
-    draft = load_reference_draft(checkpoint, config.verifier_name_or_path)
-    draft = draft.to(device, getattr(torch, config.dtype))
+    runtime = config.runtime
+    device = torch.device(runtime.device)
+    draft = load_reference_draft(checkpoint, config.verifier.verifier_name_or_path)
+    draft = draft.to(device, getattr(torch, runtime.dtype))
     # every rollout is scored, whichever ones the recipe trained on
     module = load_algorithm(config.algorithm).build_trainer(
-        draft, replace(config, greedy_chains=False), mask_token_id=draft.config.mask_token_id
+        draft, config.replace(greedy_chains=False), mask_token_id=draft.config.mask_token_id
     )
     module.eval()
     data = open_training_data(
@@ -57,19 +57,19 @@ def heldout_metrics(
         verifier_hidden_size=draft.config.target_hidden_size or draft.hidden_size,
         aux_layer_ids=draft.config.eagle_aux_hidden_state_layer_ids,
     )
-    states_dtype = getattr(torch, config.hidden_states_dtype)
+    states_dtype = getattr(torch, runtime.hidden_states_dtype)
     batches = PackedBatches(
-        data, config.total_seq_len, seed=seed, rank=0, world_size=1,
+        data, config.data.total_seq_len, seed=seed, rank=0, world_size=1,
         hidden_states_dtype=states_dtype,
     )  # fmt: skip
-    k = config.num_depths
+    k = config.peagle.num_depths
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct, valid = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     for step in range(len(batches)):
         batch = to_device(batches.batch(0, step), device, states_dtype)
         module.generator = cod_generator(seed, step, 0, device)
         for segment in module.segments(batch):
-            with autocast_context(config, device):
+            with autocast_context(runtime, device):
                 metrics = module.forward_batch(batch, segment)
             loss_sum += metrics.loss_sum.double().cpu()
             correct += metrics.correct.double().cpu()

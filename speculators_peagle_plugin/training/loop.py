@@ -37,6 +37,7 @@ from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpo
 from .config import TrainConfig
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
+from .optim import build_optimizer, build_scheduler
 from .prefetch import RowsAhead
 from .progress import (
     METRICS_FILE,
@@ -77,35 +78,14 @@ class TrainingSetup:
 def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.verifier_name_or_path)
-    if config.mask_token_id is None:
+    tokenizer = AutoTokenizer.from_pretrained(config.verifier.verifier_name_or_path)
+    given = config.draft.mask_token_id
+    if given is None:
         return choose_mask_token_id(tokenizer, vocab_size)
-    problem = mask_token_problem(tokenizer, config.mask_token_id, vocab_size)
+    problem = mask_token_problem(tokenizer, given, vocab_size)
     if problem:
         raise ValueError(problem)
-    return config.mask_token_id, "given with --mask-token-id"
-
-
-def _scheduler(optimizer, config: TrainConfig, total_steps: int):
-    from transformers import (
-        get_constant_schedule_with_warmup,
-        get_cosine_schedule_with_warmup,
-        get_linear_schedule_with_warmup,
-    )
-
-    warmup = config.scheduler_warmup_steps
-    if warmup is None:
-        warmup = total_steps // 100  # speculators' default: 1% of the steps
-    if warmup > total_steps:
-        raise ValueError(
-            f"scheduler_warmup_steps {warmup} is more than the run's {total_steps} steps: the "
-            "learning rate would never reach lr; use at most that many warmup steps."
-        )
-    if config.scheduler_type == "linear":
-        return get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
-    if config.scheduler_type == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
-    return get_constant_schedule_with_warmup(optimizer, warmup)
+    return given, "given with --mask-token-id"
 
 
 ONEDNN_CACHE_CAPACITY = 128
@@ -127,7 +107,7 @@ def _verifier_config(config: TrainConfig):
     """The verifier's (text) config, read from its local directory; the hub is not used."""
     from transformers import AutoConfig
 
-    verifier = Path(config.verifier_name_or_path)
+    verifier = Path(config.verifier.verifier_name_or_path)
     if not (verifier / "config.json").exists():
         raise ValueError(
             f"--verifier-name-or-path {verifier} is not a local transformers model directory "
@@ -150,12 +130,12 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
     if len(layer_ids) != data.num_aux_layers:
         raise ValueError(
             f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
-            f"{config.data_path} holds {data.num_aux_layers} aux hidden states per token."
+            f"{config.data.data_path} holds {data.num_aux_layers} aux hidden states per token."
         )
     logger.info(
         "%s does not record which target layers its aux hidden states come from; "
         "training as layers %s (only their count, %d, could be checked)",
-        config.data_path, list(layer_ids), data.num_aux_layers,
+        config.data.data_path, list(layer_ids), data.num_aux_layers,
     )  # fmt: skip
     return layer_ids
 
@@ -168,69 +148,68 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     data's layout and layer ids) run before the scan of every hidden-state file, and, with
     ``--online --prompts``, before the replies are generated.
     """
-    world = World.from_env(config.device)
-    if world.device.type == "cpu" and config.autocast != "none":
+    world = World.from_env(config.runtime.device)
+    if world.device.type == "cpu" and config.runtime.autocast != "none":
         _bound_onednn_cache()
     algorithm = load_algorithm(config.algorithm)
     verifier_config = _verifier_config(config)
-    vocab = verifier_config.vocab_size
-    if config.draft_vocab_size > vocab:
+    vocab, draft_vocab = verifier_config.vocab_size, config.draft.draft_vocab_size
+    if draft_vocab > vocab:
         raise ValueError(
-            f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
-            f"({vocab})."
+            f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
         )
     mask_token_id, reason = _resolve_mask_token(config, vocab)
     resume = None if save_path is None else resume_point(config, save_path, world)
-    if config.online:
+    if config.online.online:
         layer_ids = online_layer_ids(config, verifier_config)
         data = open_online_data(config, layer_ids, world)
     else:
         data = open_training_data(
-            config.data_path,
-            draft_vocab_size=config.draft_vocab_size,
+            config.data.data_path,
+            draft_vocab_size=draft_vocab,
             verifier_hidden_size=verifier_config.hidden_size,
-            aux_layer_ids=config.target_layer_ids,
+            aux_layer_ids=config.draft.target_layer_ids,
         )
         layer_ids = _target_layer_ids(config, data, verifier_config)
     data.validate(progress=world.rank == 0)
-    d2t, t2d = data.vocab_mapping(config.draft_vocab_size, target_vocab_size=vocab)
+    d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
 
     torch.manual_seed(config.seed)
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.runtime.dtype)
     draft = algorithm.build_draft(
         config, d2t=d2t, t2d=t2d, target_layer_ids=layer_ids, mask_token_id=mask_token_id
     ).to(world.device, dtype)
-    if config.gradient_checkpointing:
+    if config.runtime.gradient_checkpointing:
         draft.gradient_checkpointing_enable({"use_reentrant": False})
     draft.train()
     module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
-    wrapped = wrap(StepModule(module, every_parameter=world.distributed), config, world)
-    trainable = [p for p in wrapped.parameters() if p.requires_grad]
-    # fused: one kernel over every parameter; torch's default on CPU is a loop per tensor.
-    optimizer = torch.optim.AdamW(
-        trainable, lr=config.lr, weight_decay=config.weight_decay, fused=True
+    wrapped = wrap(StepModule(module, every_parameter=world.distributed), config.runtime, world)
+    optimizer = build_optimizer(
+        [p for p in wrapped.parameters() if p.requires_grad], config.optimizer
     )
     batches = PackedBatches(
         data,
-        config.total_seq_len,
+        config.data.total_seq_len,
         seed=config.seed,
         rank=world.rank,
         world_size=world.size,
-        hidden_states_dtype=getattr(torch, config.hidden_states_dtype),
+        hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
     )
     if len(batches) == 0:
         raise ValueError(
-            f"{config.data_path} gives no training step for {world.size} rank(s); "
+            f"{config.data.data_path} gives no training step for {world.size} rank(s); "
             "it needs at least one sample per rank."
         )
-    total = config.epochs * len(batches)
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
-    if config.online:
+    trainer = config.trainer
+    total = trainer.epochs * len(batches)
+    if trainer.max_steps is not None:
+        total = min(total, trainer.max_steps)
+    if config.online.online:
         prepare_cache(data, world)
+    scheduler = build_scheduler(optimizer, config.scheduler, total)
     return TrainingSetup(
-        config, world, draft, module, wrapped, optimizer, _scheduler(optimizer, config, total),
-        batches, total, mask_token_id, reason, resume,
+        config, world, draft, module, wrapped, optimizer, scheduler, batches, total,
+        mask_token_id, reason, resume,
     )  # fmt: skip
 
 
@@ -242,7 +221,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     arrives, and ``ValueError`` when the loss or gradient norm stops being finite. Under
     torchrun it destroys the process group it made when it returns or is interrupted.
     """
-    save_path = Path(config.save_path)
+    save_path = Path(config.trainer.save_path)
     with (
         exclusive_directory(save_path, "training run", hold=env_rank() == 0),
         process_group_of_run(clean_exits=(TrainingInterrupted,)),
@@ -273,14 +252,14 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
     validation = None
-    if config.validation_data_path:
+    if config.data.validation_data_path:
         validation = Validation(config, save_path, start, world)
         if saved is not None and not any(r["step"] == start for r in validation.records):
             validation.score(saved, start, start / steps_per_epoch)  # killed while scoring
         if validation.should_stop:  # this run stopped early before
             return validation.best_dir
-    every = max(1, math.floor(config.checkpoint_freq * steps_per_epoch))
-    dtype = getattr(torch, config.hidden_states_dtype)
+    every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
+    dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
     bar = tqdm(
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,
@@ -300,7 +279,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             batch = to_device(row, world.device, dtype)
             setup.optimizer.zero_grad(set_to_none=True)
             stats = train_step(setup.wrapped, module, batch, config, world, step)
-            grad_norm = gradient_norm(trainable, config.max_grad_norm)
+            grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
             tokens = float((batch["document_ids"] >= 0).sum())
             record = reduce_record(stats, tokens, stop.signum, world)
             check_finite(record["loss"], grad_norm, step + 1, saved)
@@ -317,7 +296,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             stop_now = record.pop("stop")
             bar.update(1)
             bar.set_postfix(format_postfix(record), refresh=False)
-            if world.rank == 0 and ((step + 1) % config.log_freq == 0 or stop_now):
+            if world.rank == 0 and ((step + 1) % config.logging.log_freq == 0 or stop_now):
                 append_record(metrics_path, record)
             done = step + 1 == setup.total_steps
             if stop_now or done or (step + 1) % every == 0:

@@ -10,30 +10,107 @@ runs from it.
 from __future__ import annotations
 
 import logging
+import math
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.dtypes import DTYPE_NAMES
 from ..common.reading import read_json
+from ..common.settings import check_choices, fail, section, setting
 from ..data import TrainingData, default_target_layer_ids, open_training_data
 from ..data.layout import SETTINGS_FILE
-from ..data.prompts import resolved_spec
+from ..data.prompts import prompt_source_exists, resolved_spec
 from ..datagen.build import generate_replies
-from ..datagen.config import DataGenConfig
-from ..datagen.online import CACHE_DIR, CacheSettings, OnlineHiddenStates
+from ..datagen.config import DataGenConfig, ReplyConfig
+from ..datagen.online import CACHE_DIR, CACHE_KINDS, CacheSettings, OnlineHiddenStates
 from ..model.target import load_target_model
-from .config import TrainConfig
 from .distributed import World
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 REPLIES_DIR = "replies"  # under the save path: the token ids --prompts generates
 
 
+@dataclass(frozen=True)
+class OnlineConfig:
+    """The ``online`` section: the target computes the hidden states as training reads rows,
+    of given token ids or of its own replies to ``prompts`` (the ``replies`` section)."""
+
+    online: bool = setting(
+        False,
+        "Compute the target's hidden states during training: every rank runs the target on "
+        "its own rows; no hidden states are read or written (see --online-cache).",
+    )
+    prompts: str | None = setting(
+        None,
+        "With --online, instead of --data-path: a prompt set as generate-data --prompts takes "
+        "it; the target's replies are generated first into SAVE/replies (a rerun reuses them).",
+    )
+    target_dtype: str = setting(
+        "float32",
+        "With --online: the target's dtype (generate-data's --dtype), also its states'.",
+        choices=DTYPE_NAMES,
+    )
+    online_cache: str = setting(
+        "none",
+        "With --online: keep hidden states for later epochs in RAM (exact) or on disk in "
+        "bfloat16 under SAVE/online-cache (a cached sample trains on its bfloat16 states in "
+        "every epoch); none recomputes them each epoch.",
+        choices=CACHE_KINDS,
+    )
+    online_cache_gib: float = setting(
+        4.0, "Size cap of --online-cache in GiB: the first samples that fit are cached."
+    )
+    # generate-data's reply settings as --prompts uses them; its batch and top-p stay as they are
+    replies: ReplyConfig = section(
+        ReplyConfig, keys={"backend": "generation_backend"}, hidden=("top_p", "batch_size"),
+        help_prefix="With --prompts: ",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.prompts is not None:
+            if not self.online:
+                raise ValueError(
+                    "--prompts needs --online (offline training reads --data-path, made by "
+                    "generate-data)."
+                )
+            if not prompt_source_exists(self.prompts):
+                raise ValueError(f"--prompts {self.prompts} does not exist.")
+        for key, needs in self._unused():
+            flag = key.replace("_", "-")
+            raise ValueError(f"--{flag} is used only with --{needs}; drop it or add --{needs}.")
+        size = self.online_cache_gib
+        if not (isinstance(size, int | float) and math.isfinite(size) and size > 0):
+            fail("online_cache_gib", size, "a finite number > 0")
+
+    def _unused(self):
+        """``(key, flag it needs)`` of each setting changed from its default that does
+        nothing without ``--online`` (the cache, the target's dtype) or ``--prompts``."""
+        own = {f.name: f for f in fields(self)}
+        if not self.online:
+            for name in ("target_dtype", "online_cache", "online_cache_gib"):
+                if getattr(self, name) != own[name].default:
+                    yield name, "online"
+        if self.prompts is None:
+            keys = own["replies"].metadata["keys"]
+            for f in fields(self.replies):
+                if getattr(self.replies, f.name) != f.default:
+                    yield keys.get(f.name, f.name), "prompts"
+
+
 def online_data_path(config: TrainConfig) -> Path:
     """``--data-path``, or where ``--prompts`` keeps its replies."""
-    return Path(config.save_path) / REPLIES_DIR if config.prompts else Path(config.data_path)
+    if config.online.prompts:
+        return Path(config.trainer.save_path) / REPLIES_DIR
+    return Path(config.data.data_path)
 
 
 def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
@@ -43,7 +120,7 @@ def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
     n = verifier_config.num_hidden_layers
     settings = online_data_path(config) / SETTINGS_FILE
     recorded = read_json(settings).get("target_layer_ids") if settings.is_file() else None
-    layer_ids = tuple(config.target_layer_ids or recorded or default_target_layer_ids(n))
+    layer_ids = tuple(config.draft.target_layer_ids or recorded or default_target_layer_ids(n))
     if not all(0 <= i <= n for i in layer_ids):
         raise ValueError(
             f"--target-layer-ids must be integers in [0, {n}] for this {n}-layer target, "
@@ -55,12 +132,10 @@ def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
 def reply_config(config: TrainConfig, layer_ids, device: torch.device) -> DataGenConfig:
     """``generate-data``'s settings for the replies of ``--prompts`` (kept in SAVE/replies)."""
     return DataGenConfig(
-        target=config.verifier_name_or_path, prompts=config.prompts,
-        output=str(online_data_path(config)), max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature, num_samples=config.num_samples,
-        backend=config.generation_backend, target_layer_ids=tuple(layer_ids),
-        draft_vocab_size=config.draft_vocab_size, seed=config.seed, dtype=config.target_dtype,
-        device=str(device),
+        target=config.verifier.verifier_name_or_path, prompts=config.online.prompts,
+        output=str(online_data_path(config)), replies=config.online.replies,
+        target_layer_ids=tuple(layer_ids), draft_vocab_size=config.draft.draft_vocab_size,
+        seed=config.seed, dtype=config.online.target_dtype, device=str(device),
     )  # fmt: skip
 
 
@@ -73,28 +148,29 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
     barrier (the process group's timeout bounds that wait). Every rank then loads its own
     copy of the target and computes the states of its own rows only.
     """
-    data_path = online_data_path(config)
-    if config.prompts:
+    data_path, online = online_data_path(config), config.online
+    verifier = config.verifier.verifier_name_or_path
+    if online.prompts:
         if world.rank == 0:
             generate_replies(reply_config(config, layer_ids, world.device))
         world.barrier()
-    model = load_target_model(
-        config.verifier_name_or_path, getattr(torch, config.target_dtype), world.device
-    )
+    model = load_target_model(verifier, getattr(torch, online.target_dtype), world.device)
     # What the disk cache's states depend on; another value empties it (datagen/online.py).
     key = {
-        "target": str(Path(config.verifier_name_or_path).resolve()),
-        "target_dtype": config.target_dtype,
+        "target": str(Path(verifier).resolve()),
+        "target_dtype": online.target_dtype,
         "layer_ids": list(layer_ids),
         "data": str(data_path.resolve()),
-        "prompts": resolved_spec(config.prompts) if config.prompts else None,
+        "prompts": resolved_spec(online.prompts) if online.prompts else None,
     }
     cache = CacheSettings(
-        config.online_cache, config.online_cache_gib * 2**30, Path(config.save_path) / CACHE_DIR,
-        key,
+        online.online_cache, online.online_cache_gib * 2**30,
+        Path(config.trainer.save_path) / CACHE_DIR, key,
     )  # fmt: skip
     states = OnlineHiddenStates(model, layer_ids, cache)
-    return open_training_data(data_path, draft_vocab_size=config.draft_vocab_size, online=states)
+    return open_training_data(
+        data_path, draft_vocab_size=config.draft.draft_vocab_size, online=states
+    )
 
 
 def prepare_cache(data: TrainingData, world: World) -> None:

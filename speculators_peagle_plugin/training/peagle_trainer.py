@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import CODConfig, check_int_at_least
+from ..core.config import CODConfig, PEagleConfig
 from ..core.peagle_attention import lengths_from_document_ids
 from ..core.peagle_data import generate_cod_sample_indices
-from ..kernels.fused_kl import fused_linear_kl
+from ..kernels.fused_kl import LossConfig, fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
 from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
@@ -78,15 +78,11 @@ class PEagleTrainerModule(torch.nn.Module):
         greedy_chains: bool = False,
     ):
         super().__init__()
-        self.cod = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
-        if not 0 <= hard_label_weight <= 1:
-            raise ValueError(f"hard_label_weight must be in [0, 1], got {hard_label_weight!r}.")
-        self.hard_label_weight = float(hard_label_weight)
-        if not tv_weight >= 0:
-            raise ValueError(f"tv_weight must be >= 0, got {tv_weight!r}.")
-        self.tv_weight = float(tv_weight)
-        self.greedy_chains = bool(greedy_chains)
-        self.sequence_partitions = check_int_at_least("sequence_partitions", sequence_partitions, 1)
+        self.peagle = PEagleConfig(
+            num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors,
+            sequence_partitions, greedy_chains,
+        )  # fmt: skip
+        self.loss_config = LossConfig(hard_label_weight, tv_weight)
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
                 "draft_model has no learnable mask_hidden parameter; P-EAGLE needs a draft "
@@ -116,26 +112,33 @@ class PEagleTrainerModule(torch.nn.Module):
             "selected_token_mask", torch.as_tensor(selected_token_mask).bool(), persistent=False
         )
 
+    @classmethod
+    def from_config(cls, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+                    config) -> PEagleTrainerModule:  # fmt: skip
+        """The module for a config's ``peagle`` and ``loss`` sections (a TrainConfig's)."""
+        p, loss = config.peagle, config.loss
+        return cls(
+            draft_model, selected_token_ids, selected_token_mask, p.num_depths, mask_token_id,
+            p.down_sample_ratio, p.down_sample_ratio_min, p.sequence_partitions,
+            max_anchors=p.max_anchors, greedy_chains=p.greedy_chains,
+            hard_label_weight=loss.hard_label_weight, tv_weight=loss.tv_weight,
+        )  # fmt: skip
+
     @property
     def num_depths(self) -> int:
-        return self.cod.num_depths
+        return self.peagle.num_depths
 
     # ---- batch plumbing ------------------------------------------------------
 
     def _sample_row(self, loss_mask_row, doc_row, greedy_row=None):
         """The row's COD elements ``(anchor_pos, depth)``; ``greedy_row`` ``[L]`` (from
         :meth:`greedy_steps`) keeps the rollouts on the target's greedy path."""
+        p = self.peagle
         return generate_cod_sample_indices(
-            doc_row.shape[0],
-            loss_mask_row,
-            self.cod.num_depths,
-            self.cod.down_sample_ratio,
-            self.cod.down_sample_ratio_min,
-            document_ids=doc_row,
-            max_anchors=self.cod.max_anchors,
-            generator=self.generator,
-            path_mask=greedy_row,
-        )
+            doc_row.shape[0], loss_mask_row, p.num_depths, p.down_sample_ratio,
+            p.down_sample_ratio_min, document_ids=doc_row, max_anchors=p.max_anchors,
+            generator=self.generator, path_mask=greedy_row,
+        )  # fmt: skip
 
     @torch.no_grad()
     def greedy_steps(
@@ -151,7 +154,7 @@ class PEagleTrainerModule(torch.nn.Module):
         the draft holds has only their columns), from ``target_logits`` or from
         ``verifier_last_hidden_states``: a token outside it can never be drafted.
         """
-        if not self.greedy_chains:
+        if not self.peagle.greedy_chains:
             return None
         steps = torch.zeros_like(input_ids, dtype=torch.bool)
         chunk = 1024  # [chunk, V_d] logits at a time
@@ -241,15 +244,12 @@ class PEagleTrainerModule(torch.nn.Module):
         positions, target_rows = torch.unique(orig_positions[rows], return_inverse=True)
         with torch.no_grad():
             targets = self._targets(positions, target_logits_row, verifier_row)
+        loss = self.loss_config
         kl_sum, hits = fused_linear_kl(
-            draft.lm_head_inputs(hidden),
-            draft.lm_head.weight,
-            targets,
-            target_rows,
-            self.hard_label_weight,
-            self.tv_weight,
-        )
-        k = self.cod.num_depths
+            draft.lm_head_inputs(hidden), draft.lm_head.weight, targets, target_rows,
+            loss.hard_label_weight, loss.tv_weight,
+        )  # fmt: skip
+        k = self.peagle.num_depths
         with torch.no_grad():
             correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
             valid = torch.bincount(depth[rows], minlength=k)[:k].to(kl_sum.dtype)
@@ -283,21 +283,13 @@ class PEagleTrainerModule(torch.nn.Module):
         """
         if peagle_segment is not None:
             return self._forward_peagle_segment(
-                input_ids,
-                attention_mask,
-                aux_hidden_states,
-                target_logits,
-                peagle_segment,
+                input_ids, attention_mask, aux_hidden_states, target_logits, peagle_segment,
                 verifier_last_hidden_states=verifier_last_hidden_states,
-            )
+            )  # fmt: skip
         check_batch_shapes(
-            input_ids,
-            loss_mask,
-            aux_hidden_states,
-            target_logits,
-            verifier_last_hidden_states,
+            input_ids, loss_mask, aux_hidden_states, target_logits, verifier_last_hidden_states,
             self.draft.fc.in_features,
-        )
+        )  # fmt: skip
         docs = batch_document_ids(input_ids, attention_mask, document_ids)
         seq_len = input_ids.shape[1]
         greedy = self.greedy_steps(input_ids, target_logits, verifier_last_hidden_states)
@@ -305,20 +297,11 @@ class PEagleTrainerModule(torch.nn.Module):
         for b in range(input_ids.shape[0]):
             anchor, depth = self._sample_row(loss_mask[b], docs[b], row(greedy, b))
             ref = anchor + depth
-            parts.append(
-                self._peagle_position_loss(
-                    input_ids[b],
-                    aux_hidden_states[b],
-                    row(target_logits, b),
-                    anchor,
-                    depth,
-                    ref,
-                    supervised_elements(loss_mask[b], docs[b], ref),
-                    lengths_from_document_ids(docs[b]),
-                    seq_len,
-                    verifier_row=row(verifier_last_hidden_states, b),
-                )
-            )
+            parts.append(self._peagle_position_loss(
+                input_ids[b], aux_hidden_states[b], row(target_logits, b), anchor, depth, ref,
+                supervised_elements(loss_mask[b], docs[b], ref), lengths_from_document_ids(docs[b]),
+                seq_len, verifier_row=row(verifier_last_hidden_states, b),
+            ))  # fmt: skip
         num, den, correct, valid = (torch.stack(x).sum(0) for x in zip(*parts, strict=True))
         return PEagleStepMetrics(num / den.clamp(min=1), num.detach(), correct, valid, den)
 
@@ -326,15 +309,10 @@ class PEagleTrainerModule(torch.nn.Module):
         """Forward on speculators' packed batch (``input_ids``, ``hidden_states``,
         ``verifier_last_hidden_states``, ``loss_mask``, ``document_ids``)."""
         return self(
-            batch["input_ids"],
-            None,
-            batch["loss_mask"],
-            batch["hidden_states"],
-            None,
-            peagle_segment,
-            document_ids=batch.get("document_ids"),
+            batch["input_ids"], None, batch["loss_mask"], batch["hidden_states"], None,
+            peagle_segment, document_ids=batch.get("document_ids"),
             verifier_last_hidden_states=batch["verifier_last_hidden_states"],
-        )
+        )  # fmt: skip
 
     # ---- sequence partitioning --------------------------------------------------
 
@@ -365,7 +343,8 @@ class PEagleTrainerModule(torch.nn.Module):
             anchor, depth = self._sample_row(loss_mask[b], doc, row(greedy_steps, b))
             supervised = supervised_elements(loss_mask[b], doc, anchor + depth)
             total += int(supervised.sum())
-            units += row_units(b, anchor, depth, supervised, doc, self.sequence_partitions, reach)
+            segments = self.peagle.sequence_partitions
+            units += row_units(b, anchor, depth, supervised, doc, segments, reach)
         return _PeaglePlan(units, torch.tensor(float(total)), docs)
 
     def segments(self, batch: dict) -> list:
@@ -375,7 +354,7 @@ class PEagleTrainerModule(torch.nn.Module):
         ``(plan, i)`` per unit of :meth:`build_peagle_plan`, possibly none. The caller
         passes each as :meth:`forward_batch`'s ``peagle_segment``.
         """
-        if self.sequence_partitions == 1:
+        if self.peagle.sequence_partitions == 1:
             return [None]
         greedy = self.greedy_steps(
             batch["input_ids"], verifier_last_hidden_states=batch["verifier_last_hidden_states"]

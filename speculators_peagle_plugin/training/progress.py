@@ -8,14 +8,26 @@ from __future__ import annotations
 import json
 import math
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..common.files import METRICS_FILE as METRICS_FILE  # the loop and tests read it here
 from ..common.files import atomic_write_text
+from ..common.settings import check_int_at_least, setting
 from .distributed import World
 from .metrics import acceptance_length, depth_accuracy, pooled_accuracy
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The ``logging`` section: how often a step's record goes to the metrics log."""
+
+    log_freq: int = setting(1, "Write the metrics log every N steps.")
+
+    def __post_init__(self) -> None:
+        check_int_at_least("log_freq", self.log_freq, 1)
 
 
 class TrainingInterrupted(Exception):

@@ -6,13 +6,16 @@ Shapes (see :mod:`speculators_peagle_plugin.core`): ``K`` depths.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import TrainConfig
-from .distributed import StepModule, World, sharded, sync_context
+from .distributed import RuntimeConfig, StepModule, World, sharded, sync_context
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
@@ -25,14 +28,14 @@ def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     }
 
 
-def autocast_context(config: TrainConfig, device: torch.device):
-    """``torch.autocast`` for a forward when ``config.autocast`` asks for mixed precision.
+def autocast_context(runtime: RuntimeConfig, device: torch.device):
+    """``torch.autocast`` for a forward when ``runtime.autocast`` asks for mixed precision.
 
     Only forwards run under it; backward follows the dtypes the forward recorded.
     """
-    if config.autocast == "none":
+    if runtime.autocast == "none":
         return nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
+    return torch.autocast(device.type, dtype=getattr(torch, runtime.autocast))
 
 
 def cod_generator(seed: int, step: int, rank: int, device: torch.device) -> torch.Generator:
@@ -57,7 +60,7 @@ def train_step(
     """
     module.generator = cod_generator(config.seed, step, world.rank, world.device)
     segments = module.segments(batch)
-    if sharded(config, world):
+    if sharded(config.runtime, world):
         # FSDP all-gathers in every forward: all ranks must run the same number of them.
         # The count lives on the rank's device: NCCL reduces CUDA tensors only.
         count = world.all_reduce(torch.tensor([len(segments)], device=world.device),
@@ -65,7 +68,7 @@ def train_step(
         segments += [StepModule.EMPTY] * (int(count) - len(segments))
     elif not segments:
         segments = [StepModule.EMPTY]
-    k = config.num_depths
+    k = config.peagle.num_depths
     stats = {
         "loss_sum": torch.zeros((), dtype=torch.float64),
         "total_den": torch.zeros((), dtype=torch.float64),
@@ -73,8 +76,8 @@ def train_step(
         "valid": torch.zeros(k, dtype=torch.float64),
     }
     for j, segment in enumerate(segments):
-        with sync_context(wrapped, config, world, last=j == len(segments) - 1):
-            with autocast_context(config, world.device):
+        with sync_context(wrapped, config.runtime, world, last=j == len(segments) - 1):
+            with autocast_context(config.runtime, world.device):
                 out = wrapped(batch, segment)
             out["loss"].backward()
         metrics = out["metrics"]

@@ -78,12 +78,14 @@ class Validation:
 
     @property
     def should_stop(self) -> bool:
-        patience = self.config.early_stop_patience
+        patience = self.config.trainer.early_stop_patience
         return patience is not None and self.since_best >= patience
 
     def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
         """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
-        metrics = heldout.heldout_metrics(checkpoint, self.config, self.config.validation_data_path)
+        metrics = heldout.heldout_metrics(
+            checkpoint, self.config, self.config.data.validation_data_path
+        )
         record = {"step": step, "epoch": epoch, "checkpoint": checkpoint.name, **metrics}
         previous = self.best
         self.records.append(record)

@@ -27,7 +27,7 @@ def config_for(workdir, save, **kw):
     defaults = {"verifier_name_or_path": str(workdir / "target"),
                 "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01,
                 "total_seq_len": 96}  # fmt: skip
-    return TrainConfig(
+    return TrainConfig.from_sources(
         save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, **(defaults | kw)
     )
 
@@ -45,7 +45,7 @@ def reference_step(workdir, save, partitions, world_size=2, **kw):
     config = config_for(workdir, save, sequence_partitions=partitions, max_steps=1, **kw)
     setup = build_training(config)
     rows = PackedBatches(
-        setup.batches.data, config.total_seq_len, seed=config.seed, rank=0,
+        setup.batches.data, config.data.total_seq_len, seed=config.seed, rank=0,
         world_size=world_size,
     ).global_rows(0, 0)  # fmt: skip
     module = setup.module

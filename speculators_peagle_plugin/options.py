@@ -1,0 +1,139 @@
+"""Every command's options, generated from its config's settings, and the one error handler.
+
+A setting's metadata (:func:`~.common.settings.setting`) gives its flag, help, choices and
+shown default; its type gives how the text is read (``none`` clears an optional setting).
+``--config FILE.yaml`` gives any setting by its key; flags override the file.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import MISSING
+from pathlib import Path
+from typing import get_args, get_origin
+
+import click
+
+from .common.reading import read_yaml_mapping
+from .common.settings import Leaf, build, leaves
+
+# What a command reports as one sentence and a non-zero exit, not as a traceback.
+USER_ERRORS = (ValueError, OSError, RuntimeError)
+_METAVARS = {int: "INTEGER", float: "FLOAT", str: "TEXT"}
+_NOT_GIVEN = object()
+
+
+@contextmanager
+def user_errors():
+    """Bad input (and a failed engine or stage) as ``Error: <one sentence>``, exit 1."""
+    try:
+        yield
+    except USER_ERRORS as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+class SettingOption(click.Option):
+    """A setting's option. A required setting is checked by its config (``--config`` may
+    give it), so click only marks it in the help."""
+
+    def __init__(self, *args, setting_required: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.setting_required = setting_required
+
+    def get_help_extra(self, ctx):
+        extra = super().get_help_extra(ctx)
+        if self.setting_required:
+            extra["required"] = "required"
+        return extra
+
+
+def _base(hint):
+    args = get_args(hint)
+    return next(a for a in args if a is not type(None)) if type(None) in args else hint
+
+
+def _decorator(leaf: Leaf, repr_defaults: bool):
+    meta = leaf.field.metadata
+    shown = repr(leaf.default) if repr_defaults else meta.get("show", leaf.default)
+    kwargs = {"help": leaf.help + ("" if shown is None else f" [default: {shown}]")}
+    if meta.get("argument"):
+        return click.argument(leaf.key, required=False)
+    decls = [d for d in (meta.get("short"), leaf.flag) if d]
+    base = _base(leaf.hint)
+    if base is bool and not (meta.get("negate") or meta.get("switch")):
+        decls = [f"{leaf.flag}/--no-{leaf.flag[2:]}"]
+    elif base is bool:
+        kwargs["is_flag"] = True
+    elif "choices" in meta:
+        kwargs["type"] = click.Choice(meta["choices"])
+    elif meta.get("multiple"):
+        kwargs["multiple"] = True
+    else:
+        kwargs["metavar"] = "INTS" if get_origin(base) is tuple else _METAVARS[base]
+    return click.option(*decls, leaf.key, cls=SettingOption, default=None,
+                        setting_required=leaf.default is MISSING, **kwargs)  # fmt: skip
+
+
+def _value(leaf: Leaf, given):
+    """A flag's value as its setting's type; ``_NOT_GIVEN`` when the flag was not used."""
+    meta = leaf.field.metadata
+    if given is None or given == () or (given is False and meta.get("switch")):
+        return _NOT_GIVEN
+    if meta.get("negate"):
+        return False
+    if isinstance(given, bool) or meta.get("multiple") or "choices" in meta:
+        return tuple(given) if meta.get("multiple") else given
+    if type(None) in get_args(leaf.hint) and given.lower() == "none":
+        return None
+    base = _base(leaf.hint)
+    try:
+        if get_origin(base) is tuple:
+            return tuple(int(t) for t in given.replace(",", " ").split())
+        return base(given)
+    except ValueError:
+        kinds = {int: "an integer", float: "a number"}
+        kind = kinds.get(base, "a comma-separated list of integers")
+        raise ValueError(f"{leaf.flag} {given!r} is not {kind}.") from None
+
+
+def given_values(cls, flags: dict) -> dict:
+    """``{key: value}`` of the flags given (click's ``flags``), read as their settings' types."""
+    values = {}
+    for leaf in leaves(cls):
+        value = _value(leaf, flags.get(leaf.key))
+        if value is not _NOT_GIVEN:
+            values[leaf.key] = value
+    return values
+
+
+def load_config(cls, config_file: str | Path | None, flags: dict):
+    """``cls`` from its defaults < ``config_file``'s keys < the flags given."""
+    values = dict(read_yaml_mapping(Path(config_file))) if config_file else {}
+    return build(cls, {**values, **given_values(cls, flags)}, config_file)
+
+
+def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--config",
+                   file_help: str = "YAML file of option: value (flags override it).",
+                   load=None):  # fmt: skip
+    """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
+    parses them, builds the config (``load(file, given values)`` when the command reads its
+    file its own way) and runs ``fn`` under :func:`user_errors`."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def command(config_file=None, **flags):
+            with user_errors():
+                if load is None:
+                    config = load_config(cls, config_file, flags)
+                else:
+                    config = load(config_file, given_values(cls, flags))
+                return fn(config)
+
+        for leaf in reversed([leaf for leaf in leaves(cls) if leaf.has_flag]):
+            command = _decorator(leaf, repr_defaults)(command)
+        file_option = click.option(file_flag, "config_file", type=click.Path(dir_okay=False),
+                                   default=None, help=file_help)  # fmt: skip
+        return file_option(command)
+
+    return decorate
