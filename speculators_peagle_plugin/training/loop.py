@@ -50,6 +50,7 @@ from .progress import (
     trim_metrics_log,
 )
 from .step import gradient_norm, to_device, train_step
+from .trackers import Trackers, check_trackers_installed
 from .validation import Validation
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     torchrun it destroys the process group it made when it returns or is interrupted.
     """
     save_path = Path(config.trainer.save_path)
+    check_trackers_installed(config.logging)
     with (
         exclusive_directory(save_path, "training run", hold=env_rank() == 0),
         process_group_of_run(clean_exits=(TrainingInterrupted,)),
@@ -271,6 +273,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     with (
         StopFlag() as stop,
         RowsAhead(setup.batches, setup.total_steps, ahead=online is None) as rows,
+        Trackers(config.logging, world.rank, hparams=config.to_dict()) as trackers,
     ):
         for step in range(start, setup.total_steps):
             began = time.perf_counter()
@@ -298,6 +301,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             bar.set_postfix(format_postfix(record), refresh=False)
             if world.rank == 0 and ((step + 1) % config.logging.log_freq == 0 or stop_now):
                 append_record(metrics_path, record)
+                trackers.log(record, step + 1)
             done = step + 1 == setup.total_steps
             if stop_now or done or (step + 1) % every == 0:
                 saved = save_checkpoint(
@@ -306,7 +310,9 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                     config=config, world=world,
                 )  # fmt: skip
                 if validation is not None and not stop_now:
-                    if validation.score(saved, step + 1, (step + 1) / steps_per_epoch):
+                    stop_early = validation.score(saved, step + 1, (step + 1) / steps_per_epoch)
+                    trackers.log(validation.records[-1], step + 1, prefix="val")
+                    if stop_early:
                         logger.info("stopping early: %s", _stop_reason(validation))
                         break
             if stop_now:
