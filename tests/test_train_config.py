@@ -72,6 +72,10 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
         ("checkpoint_freq: .inf\n", "checkpoint_freq must be a finite number > 0, got inf."),
         ("weight_decay: -0.1\n", "weight_decay must be a finite number >= 0, got -0.1."),
         ("scheduler_warmup_steps: 10\nmax_steps: 5\n", "scheduler_warmup_steps 10 is more than"),
+        ("scheduler_warmup_ratio: 1.5\n",
+         "scheduler_warmup_ratio must be a number in [0, 1], got 1.5."),
+        ("scheduler_warmup_ratio: -0.1\n",
+         "scheduler_warmup_ratio must be a number in [0, 1], got -0.1."),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
