@@ -30,7 +30,7 @@ from torch import nn
 
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
-from ..data import PackedBatches, default_target_layer_ids, open_training_data
+from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
 from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
@@ -73,6 +73,7 @@ class TrainingSetup:
     mask_token_id: int
     mask_token_reason: str
     resume: ResumePoint | None = None
+    heldout_samples: tuple[int, ...] = ()  # of data_path, scored after each checkpoint
 
 
 def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
@@ -143,6 +144,9 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
+    With ``train_data_ratio`` below 1 it trains on its share of ``data_path`` and
+    ``heldout_samples`` are the rest.
+
     Raises ``ValueError`` (one sentence) on bad input before anything is written. The cheap
     checks (device, verifier, mask token, the checkpoint to resume from in ``save_path``, the
     data's layout and layer ids) run before the scan of every hidden-state file, and, with
@@ -171,6 +175,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             aux_layer_ids=config.draft.target_layer_ids,
         )
         layer_ids = _target_layer_ids(config, data, verifier_config)
+    train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
 
@@ -191,6 +196,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         data,
         config.data.total_seq_len,
         seed=config.seed,
+        samples=train_samples,
         rank=world.rank,
         world_size=world.size,
         hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
@@ -198,7 +204,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     if len(batches) == 0:
         raise ValueError(
             f"{config.data.data_path} gives no training step for {world.size} rank(s); "
-            "it needs at least one sample per rank."
+            "it needs at least one training sample per rank."
         )
     trainer = config.trainer
     total = trainer.epochs * len(batches)
@@ -209,12 +215,13 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     scheduler = build_scheduler(optimizer, config.scheduler, total)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizer, scheduler, batches, total,
-        mask_token_id, reason, resume,
+        mask_token_id, reason, resume, heldout_samples,
     )  # fmt: skip
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
-    """Train a draft; returns the final checkpoint directory (with validation: ``SAVE/best``).
+    """Train a draft; returns the final checkpoint directory (with validation and
+    ``save_best``: ``SAVE/best``).
 
     Rank 0 holds ``save_path``'s lock for the whole run: a second run on the same path is
     refused at once. Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM
@@ -251,13 +258,12 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if world.rank == 0:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
-    validation = None
-    if config.data.validation_data_path:
-        validation = Validation(config, save_path, start, world)
+    validation = _validation(config, save_path, start, setup)
+    if validation is not None:
         if saved is not None and not any(r["step"] == start for r in validation.records):
             validation.score(saved, start, start / steps_per_epoch)  # killed while scoring
         if validation.should_stop:  # this run stopped early before
-            return validation.best_dir
+            return validation.best_dir if validation.keeps_best else saved
     every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
     dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
@@ -313,16 +319,29 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 bar.close()
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, saved)
     bar.close()
-    if validation is not None and validation.best is not None:
+    if validation is not None and validation.keeps_best and validation.best is not None:
         return validation.best_dir
     if saved is None:  # resumed from a finished run: nothing left to do
         raise ValueError(f"{save_path} holds no checkpoint to return.")
     return saved
 
 
+def _validation(config: TrainConfig, save_path: Path, start: int, setup) -> Validation | None:
+    """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
+    samples; None without either."""
+    if config.data.validation_data_path:
+        data_path, samples = config.data.validation_data_path, None
+    elif setup.heldout_samples:
+        data_path, samples = config.data.data_path, setup.heldout_samples
+    else:
+        return None
+    return Validation(config, save_path, start, setup.world, data_path, samples)
+
+
 def _stop_reason(validation: Validation) -> str:
     best = validation.best
+    kept = f", kept in {validation.best_dir}" if validation.keeps_best else ""
     return (
         f"{validation.since_best} checkpoints since the best estimated acceptance "
-        f"{best['acceptance_length']:.4f} (step {best['step']}), kept in {validation.best_dir}"
+        f"{best['acceptance_length']:.4f} (step {best['step']}){kept}"
     )
