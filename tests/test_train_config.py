@@ -87,6 +87,7 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
         ("save_best: true\n",
          "save_best needs validation_data_path or a train_data_ratio below 1 (speculators' "
          "default is 0.9, ours 1: no split)"),
+        ("from_pretrained: 3\n", "from_pretrained must be of type str, got 3."),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):

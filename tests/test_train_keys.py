@@ -1,5 +1,6 @@
-"""speculators' train keys as users type them: scheduler_warmup_ratio, train_data_ratio's
-held-out split and save_best."""
+"""speculators' train keys as users type them: scheduler_warmup_ratio, from_pretrained (our
+checkpoint or speculators' save_pretrained output), train_data_ratio's held-out split and
+save_best."""
 
 import json
 import logging
@@ -13,15 +14,16 @@ from safetensors.torch import load_file
 
 from speculators_peagle_plugin.data import PackedBatches, open_training_data, split_samples
 from speculators_peagle_plugin.data.layout import HIDDEN_STATES_DIR, hs_path
-from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
+from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
 from speculators_peagle_plugin.training.heldout import heldout_metrics
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.optim import SchedulerConfig, build_scheduler
 from speculators_peagle_plugin.training.progress import METRICS_FILE
 from speculators_peagle_plugin.training.validation import BEST_DIR, VALIDATION_FILE
 
-# A checkpoint every 2 steps: the tiny data's 0.75 training share (12 samples) packs into 7
-# rows of 96 tokens an epoch.
+# A checkpoint every 2 steps: the tiny data packs into 10 rows of 96 tokens an epoch, its
+# 0.75 training share (12 samples) into 7.
+EVERY_2 = ("--epochs", "100", "--checkpoint-freq", "0.2", "--keep-checkpoints", "10")
 SPLIT_EVERY_2 = ("--epochs", "100", "--checkpoint-freq", "0.3", "--keep-checkpoints", "10",
                  "--train-data-ratio", "0.75")  # fmt: skip
 
@@ -29,6 +31,15 @@ SPLIT_EVERY_2 = ("--epochs", "100", "--checkpoint-freq", "0.3", "--keep-checkpoi
 @pytest.fixture(scope="module")
 def workdir(tiny_workdir_once, tmp_path_factory):
     return shutil.copytree(tiny_workdir_once, tmp_path_factory.mktemp("keys") / "workdir")
+
+
+@pytest.fixture(scope="module")
+def trained(workdir, tmp_path_factory):
+    """A checkpoint of ours after two steps."""
+    save = tmp_path_factory.mktemp("pretrained")
+    code, out = run_cli(train_args(workdir, save, "--max-steps", "2"))
+    assert code == 0, out
+    return checkpoint_dirs(save)[-1]
 
 
 def lines(path):
@@ -85,6 +96,98 @@ def test_a_run_warms_up_over_its_ratio_of_the_steps(workdir, tmp_path):
     assert code == 0, out
     lrs = [r["lr"] for r in lines(tmp_path / METRICS_FILE)]  # after steps 1..8
     assert lrs == pytest.approx([0.01 * min(1, s / 4) for s in range(1, 9)])  # warmup 4
+
+
+# ------------------------------------------------------------------ from_pretrained
+
+
+def speculators_copy(checkpoint, target, dest):
+    """``checkpoint`` loaded by speculators' own class, its weights moved, and saved by its
+    ``save_pretrained``: a draft in speculators' format that differs from ours."""
+    from speculators.model import SpeculatorModel
+    from speculators.models.peagle import PEagleDraftModel as SpeculatorsPEagle
+
+    theirs = SpeculatorModel.from_pretrained(checkpoint, verifier=str(target))
+    assert type(theirs) is SpeculatorsPEagle
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    theirs.save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.parametrize("source", ["ours", "speculators"])
+def test_a_run_from_pretrained_starts_from_its_weights_at_step_0(
+    workdir, trained, tmp_path, source
+):
+    path = trained
+    if source == "speculators":
+        path = speculators_copy(trained, workdir / "target", tmp_path / "theirs")
+    saved = load_file(path / "model.safetensors")
+    save = tmp_path / "run"
+    setup = build_training(config_for(workdir, save, from_pretrained=str(path)), save)
+    state = setup.draft.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+    fresh = build_training(config_for(workdir, tmp_path / "fresh")).draft.state_dict()
+    assert not torch.equal(fresh["mask_hidden"], saved["mask_hidden"])  # equal by loading
+    assert setup.resume is None and len(setup.optimizer.state) == 0
+    assert setup.scheduler.last_epoch == 0
+    args = train_args(workdir, save, "--max-steps", "2", "--from-pretrained", str(path))
+    code, out = run_cli(args)
+    assert code == 0, out
+    assert [r["step"] for r in lines(save / METRICS_FILE)] == [1, 2]
+    assert [c.name for c in checkpoint_dirs(save)] == [f"{CHECKPOINT_PREFIX}2"]
+
+
+def config_only(tmp_path, trained, kind="peagle"):
+    path = tmp_path / f"config-{kind}"
+    path.mkdir()
+    config = json.loads((trained / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "speculators_model_type": kind}))
+    return path
+
+
+def test_a_draft_that_does_not_fit_the_run_is_one_sentence(workdir, trained, tmp_path):
+    save = tmp_path / "run"
+
+    def answer(path, *extra):
+        return refused(workdir, save, workdir / "data", "--from-pretrained", str(path), *extra)
+
+    line = answer(trained, "--num-layers", "2")
+    assert "does not fit this run: its draft layers 1, this run's 2 (--num-layers);" in line
+    line = answer(trained, "--target-layer-ids", "2,3")
+    assert "its aux layer ids [1, 2, 3], this run's [2, 3] (--target-layer-ids)" in line
+    line = answer(trained, "--num-key-value-heads", "4")
+    assert "its layers.0.self_attn.k_proj.weight is [32, 128], this run's [64, 128]" in line
+    mask = json.loads((trained / "config.json").read_text())["mask_token_id"]
+    line = answer(trained, "--mask-token-id", str(mask - 1))
+    assert f"differs from the mask token {mask} that --from-pretrained {trained}" in line
+    assert "is not a draft directory (no config.json)" in answer(tmp_path / "missing")
+    assert "holds no weights" in answer(config_only(tmp_path, trained))
+    line = answer(config_only(tmp_path, trained, "eagle3"))
+    assert "is a eagle3 draft" in line and "only a P-EAGLE draft" in line
+    for line in (answer(trained, "--num-layers", "2"), answer(tmp_path / "missing")):
+        assert line.startswith("Error: ") and line.count(". ") == 0
+
+
+def test_a_run_from_pretrained_resumes_from_its_own_checkpoint(workdir, trained, tmp_path):
+    pretrained = shutil.copytree(trained, tmp_path / "pretrained")
+    args = ("--max-steps", "4", *EVERY_2, "--from-pretrained", str(pretrained))
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    code, out = run_cli(train_args(workdir, straight, *args))
+    assert code == 0, out
+    assert [c.name for c in checkpoint_dirs(straight)] == ["checkpoint-2", "checkpoint-4"]
+    shutil.copytree(straight, killed)  # as a run killed after its second step left it
+    shutil.rmtree(killed / "checkpoint-4")
+    shutil.rmtree(pretrained)  # resuming reads its checkpoint, not the pretrained draft
+    code, out = run_cli(train_args(workdir, killed, *args))
+    assert code == 0, out
+    assert [r["step"] for r in lines(killed / METRICS_FILE)] == [1, 2, 3, 4]
+    a = load_file(straight / "checkpoint-4" / "model.safetensors")
+    b = load_file(killed / "checkpoint-4" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ------------------------------------------------------------------ train_data_ratio, save_best

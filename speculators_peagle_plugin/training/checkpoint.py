@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = frozenset(
      "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience"}
 )  # fmt: skip
 # Compared after resolving: the same directory, however it is spelled, is no change.
-PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path"})
+PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path", "from_pretrained"})
 # The draft's keys inside the wrapped StepModule's state dict.
 _DRAFT_PREFIX = "trainer_module.draft."
 

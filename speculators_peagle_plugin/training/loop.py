@@ -30,6 +30,7 @@ from torch import nn
 
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
+from ..common.reading import read_json
 from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
 from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
@@ -39,6 +40,7 @@ from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
 from .optim import build_optimizer, build_scheduler
 from .prefetch import RowsAhead
+from .pretrained import check_pretrained_fits, copy_pretrained_weights, load_pretrained_draft
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -76,17 +78,42 @@ class TrainingSetup:
     heldout_samples: tuple[int, ...] = ()  # of data_path, scored after each checkpoint
 
 
-def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
+def _resolve_mask_token(
+    config: TrainConfig, vocab_size: int, kept: tuple[int, str] | None
+) -> tuple[int, str]:
+    """``--mask-token-id``, else ``kept`` (the id a draft run from ``--from-pretrained``
+    was trained with), else one the tokenizer never produces; with the reason."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.verifier.verifier_name_or_path)
     given = config.draft.mask_token_id
-    if given is None:
+    if given is None and kept is None:
         return choose_mask_token_id(tokenizer, vocab_size)
-    problem = mask_token_problem(tokenizer, given, vocab_size)
+    mask, reason = (given, "given with --mask-token-id") if given is not None else kept
+    problem = mask_token_problem(tokenizer, mask, vocab_size)
     if problem:
         raise ValueError(problem)
-    return given, "given with --mask-token-id"
+    return mask, reason
+
+
+def _kept_mask_token(config: TrainConfig, pretrained, resume) -> tuple[int, str] | None:
+    """The mask token id of the draft a ``--from-pretrained`` run continues: the pretrained
+    draft's, or, resumed, its checkpoint's (the same id, without reading that draft again).
+
+    A ``--mask-token-id`` other than the pretrained draft's is one sentence.
+    """
+    if resume is not None and config.draft.from_pretrained:
+        kept = read_json(resume.path / "config.json").get("mask_token_id")
+        return None if kept is None else (kept, f"the one {resume.path.name} was trained with")
+    if pretrained is None:
+        return None
+    kept, given = pretrained.config.mask_token_id, config.draft.mask_token_id
+    if given is not None and given != kept:
+        raise ValueError(
+            f"--mask-token-id {given} differs from the mask token {kept} that --from-pretrained "
+            f"{config.draft.from_pretrained} was trained with; pass {kept} or leave it out."
+        )
+    return kept, "the one --from-pretrained's draft was trained with"
 
 
 ONEDNN_CACHE_CAPACITY = 128
@@ -144,8 +171,9 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
-    With ``train_data_ratio`` below 1 it trains on its share of ``data_path`` and
-    ``heldout_samples`` are the rest.
+    With ``from_pretrained`` the draft starts from that draft's weights (unless the run
+    resumes: its checkpoint's weights replace them anyway); with ``train_data_ratio`` below
+    1 it trains on its share of ``data_path`` and ``heldout_samples`` are the rest.
 
     Raises ``ValueError`` (one sentence) on bad input before anything is written. The cheap
     checks (device, verifier, mask token, the checkpoint to resume from in ``save_path``, the
@@ -162,8 +190,14 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         raise ValueError(
             f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
         )
-    mask_token_id, reason = _resolve_mask_token(config, vocab)
     resume = None if save_path is None else resume_point(config, save_path, world)
+    pretrained = None
+    if config.draft.from_pretrained and resume is None:  # a resumed run has its checkpoint
+        pretrained = load_pretrained_draft(
+            config.draft.from_pretrained, config.verifier.verifier_name_or_path
+        )
+    kept = _kept_mask_token(config, pretrained, resume)
+    mask_token_id, reason = _resolve_mask_token(config, vocab, kept)
     if config.online.online:
         layer_ids = online_layer_ids(config, verifier_config)
         data = open_online_data(config, layer_ids, world)
@@ -175,6 +209,13 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             aux_layer_ids=config.draft.target_layer_ids,
         )
         layer_ids = _target_layer_ids(config, data, verifier_config)
+    if pretrained is not None:
+        check_pretrained_fits(
+            pretrained, config.draft.from_pretrained, num_layers=config.draft.num_layers,
+            draft_vocab_size=draft_vocab, target_layer_ids=layer_ids,
+            target_hidden_size=verifier_config.hidden_size,
+            norm_before_residual=config.draft.norm_before_residual,
+        )  # fmt: skip
     train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
@@ -183,7 +224,11 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     dtype = getattr(torch, config.runtime.dtype)
     draft = algorithm.build_draft(
         config, d2t=d2t, t2d=t2d, target_layer_ids=layer_ids, mask_token_id=mask_token_id
-    ).to(world.device, dtype)
+    )
+    if pretrained is not None:
+        copy_pretrained_weights(pretrained, draft, config.draft.from_pretrained)
+        del pretrained
+    draft = draft.to(world.device, dtype)
     if config.runtime.gradient_checkpointing:
         draft.gradient_checkpointing_enable({"use_reentrant": False})
     draft.train()
