@@ -72,6 +72,22 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
         ("checkpoint_freq: .inf\n", "checkpoint_freq must be a finite number > 0, got inf."),
         ("weight_decay: -0.1\n", "weight_decay must be a finite number >= 0, got -0.1."),
         ("scheduler_warmup_steps: 10\nmax_steps: 5\n", "scheduler_warmup_steps 10 is more than"),
+        ("scheduler_warmup_ratio: 1.5\n",
+         "scheduler_warmup_ratio must be a number in [0, 1], got 1.5."),
+        ("scheduler_warmup_ratio: -0.1\n",
+         "scheduler_warmup_ratio must be a number in [0, 1], got -0.1."),
+        ("train_data_ratio: 0\n", "train_data_ratio must be a number in (0, 1] (1: no held-out"),
+        ("train_data_ratio: 1.5\n", "train_data_ratio must be a number in (0, 1]"),
+        ("train_data_ratio: .nan\n", "train_data_ratio must be a number in (0, 1]"),
+        ("train_data_ratio: 0.9\nvalidation_data_path: .\n",
+         "train_data_ratio 0.9 holds rows of data_path out for validation, and "
+         "validation_data_path gives validation data too; use one of them"),
+        ("train_data_ratio: 0.9\nonline: true\n",
+         "train_data_ratio 0.9 needs offline data (hidden states on disk)"),
+        ("save_best: true\n",
+         "save_best needs validation_data_path or a train_data_ratio below 1 (speculators' "
+         "default is 0.9, ours 1: no split)"),
+        ("from_pretrained: 3\n", "from_pretrained must be of type str, got 3."),
     ],
 )
 def test_bad_files_fail_with_one_sentence(tmp_path, text, message):
@@ -102,3 +118,12 @@ def test_optimizer_flags_out_of_range_are_one_sentence(flags, message):
 def test_max_grad_norm_none_turns_clipping_off():
     config = build_train_config(None, no_flags(**REQUIRED, max_grad_norm="none"))
     assert config.optimizer.max_grad_norm is None
+
+
+def test_save_best_is_on_with_validation_unless_turned_off_and_free_without_it():
+    """Without validation nothing is ranked: a save_best given as false is no contradiction,
+    one left unset is not known to be meant; only true is refused (the table above)."""
+    held_out = build_train_config(None, no_flags(**REQUIRED, train_data_ratio="0.9"))
+    assert held_out.validating and held_out.trainer.save_best is None  # None: on
+    off = build_train_config(None, no_flags(**REQUIRED, save_best=False))
+    assert not off.validating and off.trainer.save_best is False

@@ -47,7 +47,7 @@ def scripted(monkeypatch, acceptances):
     """heldout_metrics returning ``acceptances`` in turn (one per scored checkpoint)."""
     calls = []
 
-    def fake(checkpoint, config, data_path, *, seed=0):
+    def fake(checkpoint, config, data_path, *, seed=0, samples=None):
         calls.append(checkpoint.name)
         return {"loss": 1.0, "accuracy_per_depth": [0.5], "supervised": [1],
                 "acceptance_length": acceptances[len(calls) - 1]}  # fmt: skip

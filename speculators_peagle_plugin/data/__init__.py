@@ -11,7 +11,7 @@ guard). Making data (replies, hidden states, ``generate-data``, online states) i
 
 from .dataset import HiddenStatesSource, TrainingData, open_training_data
 from .layout import DataError, default_target_layer_ids, hs_path
-from .packing import PackedBatches, pack_rows
+from .packing import PackedBatches, pack_rows, split_samples
 from .prompts import PromptSet, load_prompt_set, load_prompts, render_conversation, render_prompts
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "pack_rows",
     "render_conversation",
     "render_prompts",
+    "split_samples",
 ]

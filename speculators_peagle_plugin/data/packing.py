@@ -1,5 +1,6 @@
 """Packing samples into ``[1, S]`` rows: deterministic per ``(seed, epoch)``, split over ranks;
-and the ``data`` section: what training reads and how long its rows are.
+the seeded split of a data directory into training and held-out samples; and the ``data``
+section: what training reads, how long its rows are, what is held out.
 
 Legend: ``S`` = tokens per packed row, ``H`` = target hidden size, ``n_aux`` = aux layers.
 """
@@ -14,10 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.settings import check_int_at_least, setting
-from .layout import mix_seed
+from ..common.settings import check_int_at_least, fail, setting
+from .layout import DataError, mix_seed
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .dataset import TrainingData
 
 
@@ -36,14 +39,54 @@ class DataConfig:
         "Held-out data (speculators format, same target and aux layers): every checkpoint's "
         "estimated acceptance on it goes to validation.jsonl, the best checkpoint to best/.",
     )
+    train_data_ratio: float = setting(
+        1.0,
+        "Fraction of data_path's samples to train on, in (0, 1]; below 1 the rest (a "
+        "permutation seeded by --seed) are held out and scored like --validation-data-path. "
+        "Ours defaults to 1 (no split); speculators' to 0.9.",
+    )
 
     def __post_init__(self) -> None:
         check_int_at_least("total_seq_len", self.total_seq_len, 1)
+        ratio = self.train_data_ratio
+        if not (math.isfinite(ratio) and 0 < ratio <= 1):
+            fail("train_data_ratio", ratio, "a number in (0, 1] (1: no held-out split)")
         if self.validation_data_path and not Path(self.validation_data_path).is_dir():
             raise ValueError(
                 f"validation_data_path {self.validation_data_path} is not a directory; give "
                 "data made by generate-data for held-out prompts."
             )
+
+
+# mix_seed's second value for the train/held-out split; packing uses the epoch (>= 0)
+# there, so the split draws from a stream of its own.
+SPLIT_STREAM = 2**32
+
+
+def split_samples(
+    data: TrainingData, train_ratio: float, seed: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(train, held_out)`` sample indices of ``data``: ``round(train_ratio * n)`` of a
+    permutation seeded by ``seed`` train, the rest are held out; both ascending.
+
+    A pure function of ``(n, train_ratio, seed)``, so every rank and every resumption draws
+    the same split; ``train_ratio`` 1 holds nothing out. Example: 16 samples, ratio 0.75
+    -> 12 train, 4 held out. Raises :class:`DataError` when either part would be empty.
+    """
+    n = data.num_samples
+    if train_ratio == 1:
+        return tuple(range(n)), ()
+    keep = round(train_ratio * n)
+    if not 0 < keep < n:
+        empty = "no training sample" if keep == 0 else "no held-out sample"
+        raise DataError(
+            f"train_data_ratio {train_ratio:g} of the {n} samples in {data.path} leaves "
+            f"{empty} (round({train_ratio:g} * {n}) = {keep} train); choose a ratio that "
+            "keeps at least one sample on each side, or 1 for no split."
+        )
+    generator = torch.Generator().manual_seed(mix_seed(seed, SPLIT_STREAM))
+    order = torch.randperm(n, generator=generator).tolist()
+    return tuple(sorted(order[:keep])), tuple(sorted(order[keep:]))
 
 
 def pack_rows(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]:
@@ -78,13 +121,15 @@ class PackedBatches:
     Each epoch shuffles the samples with a generator seeded from ``(seed, epoch)``, packs them
     into rows of ``total_seq_len`` tokens (:func:`pack_rows`), and shuffles the rows. Global
     step ``g`` gives rank ``r`` row ``g * world_size + r``; on the last step a rank past the end
-    gets an all-padding row (loss_mask 0, document_ids -1). Every sample appears once per epoch
-    across all ranks, and the same ``(epoch, step)`` always gives the same rows, so resuming
-    needs only ``(epoch, step)``.
+    gets an all-padding row (loss_mask 0, document_ids -1). Every sample packed appears once
+    per epoch across all ranks, and the same ``(epoch, step)`` always gives the same rows, so
+    resuming needs only ``(epoch, step)``.
 
     Args:
         training_data: from :func:`open_training_data`.
         total_seq_len: ``S``, tokens per row.
+        samples: the sample indices to pack (default: all); e.g. one side of
+            :func:`split_samples`. Rows hold dataset indices either way.
         seed: data-order seed (>= 0), the same on every rank.
         rank, world_size: this process and the number of data-parallel processes.
         shuffle: False keeps dataset order (rows still packed longest first).
@@ -103,6 +148,7 @@ class PackedBatches:
         total_seq_len: int,
         *,
         seed: int,
+        samples: Sequence[int] | None = None,
         rank: int = 0,
         world_size: int = 1,
         shuffle: bool = True,
@@ -117,6 +163,7 @@ class PackedBatches:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}.")
         self.data = training_data
+        self.samples = tuple(range(training_data.num_samples) if samples is None else samples)
         self.total_seq_len = total_seq_len
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
         # shift_batch (what `speculators train` applies for eagle3 and peagle): slot t
@@ -139,13 +186,14 @@ class PackedBatches:
         """Sample indices of every packed row of ``epoch``, in global row order."""
         if self._cache[0] == epoch:
             return self._cache[1]
-        n, lengths, capacity = self.data.num_samples, self.data.lengths, self.total_seq_len
+        samples, lengths, capacity = self.samples, self.data.lengths, self.total_seq_len
         if self.shuffle:
             gen = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
-            rows = pack_rows(lengths, capacity, torch.randperm(n, generator=gen).tolist())
+            order = [samples[j] for j in torch.randperm(len(samples), generator=gen).tolist()]
+            rows = pack_rows(lengths, capacity, order)
             rows = [rows[j] for j in torch.randperm(len(rows), generator=gen).tolist()]
         else:
-            rows = pack_rows(lengths, capacity, list(range(n)))
+            rows = pack_rows(lengths, capacity, list(samples))
         self._cache = (epoch, rows)
         return rows
 

@@ -50,6 +50,13 @@ class DraftConfig:
     )
     norm_before_residual: bool = setting(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = setting(False, "Train the token embedding too.")
+    from_pretrained: str | None = setting(
+        None,
+        "Start from this trained P-EAGLE draft directory (a checkpoint or best/ of ours, or "
+        "speculators' save_pretrained output): its weights, with a fresh optimizer and "
+        "schedule from step 0; its layers, draft vocabulary, aux layer ids and target hidden "
+        "size must match this run's. Local directories only. Resuming a run is --resume.",
+    )
     num_speculative_tokens: int | None = setting(
         None,
         "K the checkpoint declares for serving (vLLM's num_speculative_tokens), at most "

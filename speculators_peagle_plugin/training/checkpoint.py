@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = frozenset(
      "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience"}
 )  # fmt: skip
 # Compared after resolving: the same directory, however it is spelled, is no change.
-PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path"})
+PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path", "from_pretrained"})
 # The draft's keys inside the wrapped StepModule's state dict.
 _DRAFT_PREFIX = "trainer_module.draft."
 
@@ -58,8 +58,17 @@ class TrainerConfig:
     keep_checkpoints: int = setting(2, "How many of the newest checkpoints to keep.")
     early_stop_patience: int | None = setting(
         None,
-        "With --validation-data-path: stop once this many checkpoints in a row have not "
-        "beaten the best estimated acceptance.",
+        "With validation (--validation-data-path or --train-data-ratio below 1): stop once "
+        "this many checkpoints in a row have not beaten the best estimated acceptance.",
+    )
+    save_best: bool | None = setting(
+        None,
+        "With validation (--validation-data-path or --train-data-ratio below 1): keep the "
+        "checkpoint of the best estimated acceptance in SAVE/best and return it; false: "
+        "score every checkpoint but keep no copy, and return the last one. Default: on "
+        "whenever there is validation (speculators' default is false, and it ranks by "
+        "validation loss).",
+        show="on with validation",
     )
     no_resume_from_checkpoint: bool = setting(
         False, "Start fresh even if save_path holds a checkpoint.", switch=True

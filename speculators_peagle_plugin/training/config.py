@@ -79,8 +79,30 @@ class TrainConfig(Settings):
                 f"scheduler_warmup_steps {warmup} is more than max_steps {steps}: the "
                 "learning rate would never reach lr; use at most max_steps warmup steps."
             )
-        if self.trainer.early_stop_patience is not None and not self.data.validation_data_path:
+        data, ratio = self.data, self.data.train_data_ratio
+        if ratio < 1 and data.validation_data_path:
             raise ValueError(
-                "early_stop_patience needs validation_data_path: held-out data to score "
-                "each checkpoint on."
+                f"train_data_ratio {ratio:g} holds rows of data_path out for validation, "
+                "and validation_data_path gives validation data too; use one of them "
+                "(train_data_ratio 1 with validation_data_path)."
             )
+        if ratio < 1 and self.online.online:
+            raise ValueError(
+                f"train_data_ratio {ratio:g} needs offline data (hidden states on disk) to "
+                "score its held-out rows; with --online, give validation_data_path instead."
+            )
+        needs = "validation_data_path or a train_data_ratio below 1"
+        if self.trainer.early_stop_patience is not None and not self.validating:
+            raise ValueError(
+                f"early_stop_patience needs {needs}: held-out data to score each checkpoint on."
+            )
+        if self.trainer.save_best and not self.validating:
+            raise ValueError(
+                f"save_best needs {needs} (speculators' default is 0.9, ours 1: no split): "
+                "held-out data to rank the checkpoints by."
+            )
+
+    @property
+    def validating(self) -> bool:
+        """Whether every checkpoint is scored on held-out data."""
+        return bool(self.data.validation_data_path) or self.data.train_data_ratio < 1

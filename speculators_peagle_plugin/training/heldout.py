@@ -8,6 +8,7 @@ acceptance follows; it costs one pass over the data instead of an engine per dra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,7 +25,12 @@ __all__ = ["heldout_metrics"]
 
 @torch.no_grad()
 def heldout_metrics(
-    checkpoint: str | Path, config: TrainConfig, data_path: str | Path, *, seed: int = 0
+    checkpoint: str | Path,
+    config: TrainConfig,
+    data_path: str | Path,
+    *,
+    seed: int = 0,
+    samples: Sequence[int] | None = None,
 ) -> dict:
     """Loss and accuracy per depth of ``checkpoint`` on ``data_path`` (speculators format).
 
@@ -36,6 +42,8 @@ def heldout_metrics(
         data_path: held-out data made by ``generate-data`` with the same target and aux
             layers; its rows are packed as training packs them.
         seed: seed of the packing order and of the COD draws (a pure function of it).
+        samples: the sample indices of ``data_path`` to score (default: all), e.g. the
+            held-out side of :func:`~..data.split_samples`.
 
     Returns:
         ``{"loss", "accuracy_per_depth" [K], "acceptance_length", "supervised"}``: the
@@ -59,7 +67,7 @@ def heldout_metrics(
     )
     states_dtype = getattr(torch, runtime.hidden_states_dtype)
     batches = PackedBatches(
-        data, config.data.total_seq_len, seed=seed, rank=0, world_size=1,
+        data, config.data.total_seq_len, seed=seed, samples=samples, rank=0, world_size=1,
         hidden_states_dtype=states_dtype,
     )  # fmt: skip
     k = config.peagle.num_depths

@@ -30,7 +30,8 @@ from torch import nn
 
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
-from ..data import PackedBatches, default_target_layer_ids, open_training_data
+from ..common.reading import read_json
+from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
 from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
@@ -39,6 +40,7 @@ from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
 from .optim import build_optimizer, build_scheduler
 from .prefetch import RowsAhead
+from .pretrained import check_pretrained_fits, copy_pretrained_weights, load_pretrained_draft
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -74,19 +76,45 @@ class TrainingSetup:
     mask_token_id: int
     mask_token_reason: str
     resume: ResumePoint | None = None
+    heldout_samples: tuple[int, ...] = ()  # of data_path, scored after each checkpoint
 
 
-def _resolve_mask_token(config: TrainConfig, vocab_size: int) -> tuple[int, str]:
+def _resolve_mask_token(
+    config: TrainConfig, vocab_size: int, kept: tuple[int, str] | None
+) -> tuple[int, str]:
+    """``--mask-token-id``, else ``kept`` (the id a draft run from ``--from-pretrained``
+    was trained with), else one the tokenizer never produces; with the reason."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.verifier.verifier_name_or_path)
     given = config.draft.mask_token_id
-    if given is None:
+    if given is None and kept is None:
         return choose_mask_token_id(tokenizer, vocab_size)
-    problem = mask_token_problem(tokenizer, given, vocab_size)
+    mask, reason = (given, "given with --mask-token-id") if given is not None else kept
+    problem = mask_token_problem(tokenizer, mask, vocab_size)
     if problem:
         raise ValueError(problem)
-    return given, "given with --mask-token-id"
+    return mask, reason
+
+
+def _kept_mask_token(config: TrainConfig, pretrained, resume) -> tuple[int, str] | None:
+    """The mask token id of the draft a ``--from-pretrained`` run continues: the pretrained
+    draft's, or, resumed, its checkpoint's (the same id, without reading that draft again).
+
+    A ``--mask-token-id`` other than the pretrained draft's is one sentence.
+    """
+    if resume is not None and config.draft.from_pretrained:
+        kept = read_json(resume.path / "config.json").get("mask_token_id")
+        return None if kept is None else (kept, f"the one {resume.path.name} was trained with")
+    if pretrained is None:
+        return None
+    kept, given = pretrained.config.mask_token_id, config.draft.mask_token_id
+    if given is not None and given != kept:
+        raise ValueError(
+            f"--mask-token-id {given} differs from the mask token {kept} that --from-pretrained "
+            f"{config.draft.from_pretrained} was trained with; pass {kept} or leave it out."
+        )
+    return kept, "the one --from-pretrained's draft was trained with"
 
 
 ONEDNN_CACHE_CAPACITY = 128
@@ -144,6 +172,10 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
 
+    With ``from_pretrained`` the draft starts from that draft's weights (unless the run
+    resumes: its checkpoint's weights replace them anyway); with ``train_data_ratio`` below
+    1 it trains on its share of ``data_path`` and ``heldout_samples`` are the rest.
+
     Raises ``ValueError`` (one sentence) on bad input before anything is written. The cheap
     checks (device, verifier, mask token, the checkpoint to resume from in ``save_path``, the
     data's layout and layer ids) run before the scan of every hidden-state file, and, with
@@ -159,8 +191,14 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         raise ValueError(
             f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
         )
-    mask_token_id, reason = _resolve_mask_token(config, vocab)
     resume = None if save_path is None else resume_point(config, save_path, world)
+    pretrained = None
+    if config.draft.from_pretrained and resume is None:  # a resumed run has its checkpoint
+        pretrained = load_pretrained_draft(
+            config.draft.from_pretrained, config.verifier.verifier_name_or_path
+        )
+    kept = _kept_mask_token(config, pretrained, resume)
+    mask_token_id, reason = _resolve_mask_token(config, vocab, kept)
     if config.online.online:
         layer_ids = online_layer_ids(config, verifier_config)
         data = open_online_data(config, layer_ids, world)
@@ -172,6 +210,14 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             aux_layer_ids=config.draft.target_layer_ids,
         )
         layer_ids = _target_layer_ids(config, data, verifier_config)
+    if pretrained is not None:
+        check_pretrained_fits(
+            pretrained, config.draft.from_pretrained, num_layers=config.draft.num_layers,
+            draft_vocab_size=draft_vocab, target_layer_ids=layer_ids,
+            target_hidden_size=verifier_config.hidden_size,
+            norm_before_residual=config.draft.norm_before_residual,
+        )  # fmt: skip
+    train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
 
@@ -179,7 +225,11 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     dtype = getattr(torch, config.runtime.dtype)
     draft = algorithm.build_draft(
         config, d2t=d2t, t2d=t2d, target_layer_ids=layer_ids, mask_token_id=mask_token_id
-    ).to(world.device, dtype)
+    )
+    if pretrained is not None:
+        copy_pretrained_weights(pretrained, draft, config.draft.from_pretrained)
+        del pretrained
+    draft = draft.to(world.device, dtype)
     if config.runtime.gradient_checkpointing:
         draft.gradient_checkpointing_enable({"use_reentrant": False})
     draft.train()
@@ -192,6 +242,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         data,
         config.data.total_seq_len,
         seed=config.seed,
+        samples=train_samples,
         rank=world.rank,
         world_size=world.size,
         hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
@@ -199,7 +250,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     if len(batches) == 0:
         raise ValueError(
             f"{config.data.data_path} gives no training step for {world.size} rank(s); "
-            "it needs at least one sample per rank."
+            "it needs at least one training sample per rank."
         )
     trainer = config.trainer
     total = trainer.epochs * len(batches)
@@ -210,12 +261,13 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     scheduler = build_scheduler(optimizer, config.scheduler, total)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizer, scheduler, batches, total,
-        mask_token_id, reason, resume,
+        mask_token_id, reason, resume, heldout_samples,
     )  # fmt: skip
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
-    """Train a draft; returns the final checkpoint directory (with validation: ``SAVE/best``).
+    """Train a draft; returns the final checkpoint directory (with validation and
+    ``save_best``: ``SAVE/best``).
 
     Rank 0 holds ``save_path``'s lock for the whole run: a second run on the same path is
     refused at once. Raises :class:`TrainingInterrupted` after saving when SIGINT/SIGTERM
@@ -253,13 +305,12 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if world.rank == 0:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
-    validation = None
-    if config.data.validation_data_path:
-        validation = Validation(config, save_path, start, world)
+    validation = _validation(config, save_path, start, setup)
+    if validation is not None:
         if saved is not None and not any(r["step"] == start for r in validation.records):
             validation.score(saved, start, start / steps_per_epoch)  # killed while scoring
         if validation.should_stop:  # this run stopped early before
-            return validation.best_dir
+            return validation.best_dir if validation.keeps_best else saved
     every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
     dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
@@ -319,16 +370,29 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 bar.close()
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, saved)
     bar.close()
-    if validation is not None and validation.best is not None:
+    if validation is not None and validation.keeps_best and validation.best is not None:
         return validation.best_dir
     if saved is None:  # resumed from a finished run: nothing left to do
         raise ValueError(f"{save_path} holds no checkpoint to return.")
     return saved
 
 
+def _validation(config: TrainConfig, save_path: Path, start: int, setup) -> Validation | None:
+    """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
+    samples; None without either."""
+    if config.data.validation_data_path:
+        data_path, samples = config.data.validation_data_path, None
+    elif setup.heldout_samples:
+        data_path, samples = config.data.data_path, setup.heldout_samples
+    else:
+        return None
+    return Validation(config, save_path, start, setup.world, data_path, samples)
+
+
 def _stop_reason(validation: Validation) -> str:
     best = validation.best
+    kept = f", kept in {validation.best_dir}" if validation.keeps_best else ""
     return (
         f"{validation.since_best} checkpoints since the best estimated acceptance "
-        f"{best['acceptance_length']:.4f} (step {best['step']}), kept in {validation.best_dir}"
+        f"{best['acceptance_length']:.4f} (step {best['step']}){kept}"
     )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..common.settings import check_choices, check_finite, check_optional_ints, setting
+from ..common.settings import check_choices, check_finite, check_optional_ints, fail, setting
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,19 @@ class SchedulerConfig:
         "linear", "LR schedule after warmup.", choices=("linear", "cosine", "none")
     )
     scheduler_warmup_steps: int | None = setting(None, "Warmup steps; default 1% of the total.")
+    scheduler_warmup_ratio: float | None = setting(
+        None,
+        "Warmup as a fraction of the run's total steps, in [0, 1] (speculators' key: "
+        "int(ratio * total) steps); ignored, with a warning, when --scheduler-warmup-steps "
+        "is also set.",
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
         check_optional_ints(self, {"scheduler_warmup_steps": 0})
+        ratio = self.scheduler_warmup_ratio
+        if ratio is not None and not (math.isfinite(ratio) and 0 <= ratio <= 1):
+            fail("scheduler_warmup_ratio", ratio, "a number in [0, 1]")
 
 
 def build_optimizer(parameters, config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -45,6 +58,26 @@ def build_optimizer(parameters, config: OptimizerConfig) -> torch.optim.Optimize
     )
 
 
+def warmup_steps(config: SchedulerConfig, total_steps: int) -> int:
+    """The warmup of a run of ``total_steps`` steps, resolved as speculators resolves it.
+
+    ``scheduler_warmup_steps`` wins (a ratio given beside it is ignored with a warning);
+    else ``int(scheduler_warmup_ratio * total_steps)``; else 1% of the steps. Example:
+    ratio 0.25 of 10 steps -> 2 warmup steps.
+    """
+    steps, ratio = config.scheduler_warmup_steps, config.scheduler_warmup_ratio
+    if steps is not None:
+        if ratio is not None:
+            logger.warning(
+                "scheduler_warmup_steps %d and scheduler_warmup_ratio %g are both set; "
+                "using scheduler_warmup_steps, as speculators does", steps, ratio,
+            )  # fmt: skip
+        return steps
+    if ratio is not None:
+        return int(ratio * total_steps)  # speculators' rounding: down
+    return total_steps // 100  # speculators' default: 1% of the steps
+
+
 def build_scheduler(optimizer, config: SchedulerConfig, total_steps: int):
     from transformers import (
         get_constant_schedule_with_warmup,
@@ -52,9 +85,7 @@ def build_scheduler(optimizer, config: SchedulerConfig, total_steps: int):
         get_linear_schedule_with_warmup,
     )
 
-    warmup = config.scheduler_warmup_steps
-    if warmup is None:
-        warmup = total_steps // 100  # speculators' default: 1% of the steps
+    warmup = warmup_steps(config, total_steps)
     if warmup > total_steps:
         raise ValueError(
             f"scheduler_warmup_steps {warmup} is more than the run's {total_steps} steps: the "

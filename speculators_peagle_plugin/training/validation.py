@@ -1,12 +1,13 @@
 """Validation while training: held-out acceptance after each checkpoint, the best kept, early stop.
 
-With ``validation_data_path`` set, every checkpoint is scored on that data by
+With ``validation_data_path`` set, or ``train_data_ratio`` below 1 (the held-out samples
+of ``data_path``), every checkpoint is scored on that data by
 :func:`~.heldout.heldout_metrics` (teacher-forced accuracy per depth and the acceptance
 length it predicts, the figure vLLM's acceptance follows) and the record appended to
-``SAVE/validation.jsonl``. The checkpoint with the highest estimated acceptance so far is
-copied to ``SAVE/best`` (weights and config, what vLLM serves), so pruning older
-checkpoints never loses it. With ``early_stop_patience = p`` training stops once ``p``
-checkpoints in a row have not beaten the best, and returns ``SAVE/best``.
+``SAVE/validation.jsonl``. Unless ``save_best`` is false, the checkpoint with the highest
+estimated acceptance so far is copied to ``SAVE/best`` (weights and config, what vLLM
+serves), so pruning older checkpoints never loses it. With ``early_stop_patience = p``
+training stops once ``p`` checkpoints in a row have not beaten the best.
 
 A resumed run reads the records up to its checkpoint (later ones, written by a run killed
 after them, are dropped) and so continues with the same best and the same patience count.
@@ -38,14 +39,26 @@ class Validation:
     """The validation records of one run (``SAVE/validation.jsonl``) and its best checkpoint.
 
     Args:
-        config: the run's settings (``validation_data_path``, ``early_stop_patience``).
+        config: the run's settings (``early_stop_patience``, ``save_best``).
         save_path: the run's directory.
         resumed_step: the step the run continues from (0 for a fresh run); records of
             later steps are dropped.
+        data_path: the held-out data: ``validation_data_path``, or ``data_path`` with
+            ``samples`` its held-out sample indices (None: all of them).
     """
 
-    def __init__(self, config: TrainConfig, save_path: Path, resumed_step: int, world: World):
+    def __init__(
+        self,
+        config: TrainConfig,
+        save_path: Path,
+        resumed_step: int,
+        world: World,
+        data_path: str | Path,
+        samples: tuple[int, ...] | None = None,
+    ):
         self.config, self.world = config, world
+        self.data_path, self.samples = data_path, samples
+        self.keeps_best = config.trainer.save_best is not False
         self.path = save_path / VALIDATION_FILE
         self.best_dir = save_path / BEST_DIR
         self.records: list[dict] = []
@@ -84,14 +97,14 @@ class Validation:
     def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
         """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
         metrics = heldout.heldout_metrics(
-            checkpoint, self.config, self.config.data.validation_data_path
+            checkpoint, self.config, self.data_path, samples=self.samples
         )
         record = {"step": step, "epoch": epoch, "checkpoint": checkpoint.name, **metrics}
         previous = self.best
         self.records.append(record)
         improved = previous is None or record["acceptance_length"] > previous["acceptance_length"]
         if self.world.rank == 0:
-            if improved:
+            if improved and self.keeps_best:
                 with atomic_directory(self.best_dir) as tmp:
                     for item in checkpoint.iterdir():
                         if item.is_file() and item.name != STATE_FILE:
