@@ -44,8 +44,10 @@ class Answer:
             return "no effect here"
         if self.ours is None:
             return "only " + ", ".join(_show(v) for v in self.accepted or ())
-        return "works" if self.accepted is None else "works for " + ", ".join(
-            _show(v) for v in self.accepted
+        return (
+            "works"
+            if self.accepted is None
+            else "works for " + ", ".join(_show(v) for v in self.accepted)
         )
 
 
@@ -125,7 +127,9 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     "data.hidden_states_dtype": _works(
         "sets --autocast: bfloat16 = float32 weights with bfloat16 autocast, as speculators; "
         "ours defaults to no autocast",
-        ours="autocast", accepted=("bfloat16", "float32"), convert=_autocast_of,
+        ours="autocast",
+        accepted=("bfloat16", "float32"),
+        convert=_autocast_of,
     ),
     "data.num_workers": _ignored("rows are read one step ahead on a thread"),
     "data.prefetch_factor": _ignored("rows are read one step ahead on a thread"),
@@ -139,7 +143,8 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     "generation.max_consecutive_generation_failures": _ignored(_NO_VLLM_BACKEND),
     "loss.loss_implementation": _ignored("one fused-linear KL loss; both give the same values"),
     "loss.loss_fn": _only(
-        None, "kl_div",
+        None,
+        "kl_div",
         note="the loss is forward KL to the target (--tv-weight, --hard-label-weight add terms)",
     ),
     "loss.ttt_steps": _ignored("EAGLE-3's unrolling; P-EAGLE drafts all depths in one pass"),
@@ -236,8 +241,10 @@ def render_table() -> str:
     """The markdown table of docs/speculators_keys.md: every key and our answer."""
     rows = ["| speculators key | here | ours / why |", "|---|---|---|"]
     for name, answer in SPECULATORS_KEYS.items():
-        ours = "" if answer.ours is None or answer.ours == name.rsplit(".", 1)[-1] else (
-            f"`{answer.ours}`; "
+        ours = (
+            ""
+            if answer.ours is None or answer.ours == name.rsplit(".", 1)[-1]
+            else (f"`{answer.ours}`; ")
         )
         rows.append(f"| `{name}` | {answer.kind()} | {ours}{answer.note} |")
     return "\n".join(rows) + "\n"
