@@ -109,7 +109,9 @@ def given_values(cls, flags: dict) -> dict:
 
 def load_config(cls, config_file: str | Path | None, flags: dict):
     """``cls`` from its defaults < ``config_file``'s keys < the flags given."""
-    values = dict(read_yaml_mapping(Path(config_file))) if config_file else {}
+    values = {}
+    if config_file:
+        values = cls.file_values(read_yaml_mapping(Path(config_file)), config_file)
     return build(cls, {**values, **given_values(cls, flags)}, config_file)
 
 

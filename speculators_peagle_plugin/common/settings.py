@@ -238,9 +238,17 @@ class Settings:
     """What every command's config can do: load itself, flatten, change some keys."""
 
     @classmethod
+    def file_values(cls, values: Mapping, source: str | Path | None) -> dict:
+        """The settings a config file's mapping gives (a config reading another tool's
+        file shape overrides this)."""
+        return dict(values)
+
+    @classmethod
     def from_sources(cls, yaml_path: str | Path | None = None, **overrides):
         """Defaults, then the YAML file's keys, then ``overrides`` that are not None."""
-        values = dict(read_yaml_mapping(Path(yaml_path))) if yaml_path is not None else {}
+        values = {}
+        if yaml_path is not None:
+            values = cls.file_values(read_yaml_mapping(Path(yaml_path)), yaml_path)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return build(cls, values, yaml_path)
 

@@ -23,7 +23,9 @@ Each section validates its own settings; :class:`TrainConfig` checks only what j
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..common.settings import Settings, fail, section, setting
 from ..core.config import PEagleConfig
@@ -36,6 +38,7 @@ from .distributed import RuntimeConfig
 from .online import OnlineConfig
 from .optim import OptimizerConfig, SchedulerConfig
 from .progress import LoggingConfig
+from .speculators_keys import from_speculators
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class TrainConfig(Settings):
     logging: LoggingConfig = section(LoggingConfig)
     seed: int = setting(42, "Seed for initialisation, data order and COD sampling.")
     runtime: RuntimeConfig = section(RuntimeConfig)
+
+    @classmethod
+    def file_values(cls, values: Mapping, source: str | Path | None) -> dict:
+        """Our keys, flat or grouped, or speculators' train YAML (:mod:`.speculators_keys`)."""
+        return from_speculators(values, source)
 
     def __post_init__(self) -> None:
         if not self.verifier.verifier_name_or_path:
