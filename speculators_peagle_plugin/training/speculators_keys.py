@@ -172,7 +172,10 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     ),
     "trainer.epochs": _works(),
     "trainer.checkpoint_freq": _works(),
-    "trainer.save_best": _works("ours defaults to True"),
+    "trainer.save_best": _works(
+        "unset: on whenever there is validation (speculators: off); the best is ranked by "
+        "estimated acceptance, speculators' by validation loss"
+    ),
     "trainer.no_resume_from_checkpoint": _works(),
     "trainer.log_freq": _works(),
     "trainer.save_path": _works(),
