@@ -1,10 +1,10 @@
 """Every command's flags, as users type them, against the golden ``--help`` of each.
 
 ``tests/golden/cli_help.txt`` is ``--help`` of every command as it was before the
-configs became sections (rewrite it with ``python tests/test_cli_help.py`` only when a
-flag is meant to change; a new option is added to it by hand, as its line renders): each
-option keeps its names, choices, the default its help shows and its required mark (a
-metavar such as ``INT`` or ``INTEGER`` may change). A
+configs became sections, plus the flags added since (rewrite it with ``python
+tests/test_cli_help.py``, or add a new flag's line by hand, only when a flag is meant to
+change): each option keeps its names, choices, the default its help
+shows and its required mark (a metavar such as ``INT`` or ``INTEGER`` may change). A
 command may gain ``--config`` (a YAML of its settings) and the group may gain commands;
 nothing else may appear or go.
 """

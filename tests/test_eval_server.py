@@ -1,18 +1,27 @@
-"""eval --server: vLLM's Prometheus counters read back, and cells measured over HTTP."""
+"""eval --server: vLLM's Prometheus counters read back, cells measured over HTTP, and the
+eval command against fake servers (fast) and a real ``vllm serve`` (slow)."""
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from helpers.serve import last_core, vllm_server
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from tiny_vllm import trained_target_and_draft
 
+from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 from speculators_peagle_plugin.evaluation.server import (
     ServerError,
     probe_server,
     run_server_cell,
 )
+
+REPO = Path(__file__).parent.parent
 
 
 def metrics_page(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int],
@@ -59,6 +68,7 @@ class FakeVllm(BaseHTTPRequestHandler):
     reversed, in chunks of two tokens, and counts one draft per chunk accepting one."""
 
     state = {"drafts": 0, "accepted": 0, "requests": []}
+    drafting = True
 
     def log_message(self, *args):
         pass
@@ -76,6 +86,8 @@ class FakeVllm(BaseHTTPRequestHandler):
             self._send(json.dumps({"data": [{"id": "tiny"}]}).encode())
         elif self.path == "/metrics":
             page = metrics_page(s["drafts"], 2 * s["drafts"], s["accepted"], [s["accepted"], 0])
+            if not self.drafting:  # vLLM registers no spec-decode counter without a draft
+                page = "\n".join(line for line in page.splitlines() if "spec_decode" not in line)
             self._send(page.encode(), "text/plain")
 
     def do_POST(self):
@@ -89,13 +101,34 @@ class FakeVllm(BaseHTTPRequestHandler):
         self._send(("".join(lines) + "data: [DONE]\n\n").encode(), "text/event-stream")
 
 
+class PlainVllm(FakeVllm):
+    """The same server without a draft."""
+
+    state = {"drafts": 0, "accepted": 0, "requests": []}
+    drafting = False
+
+
+def serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    handler.state = {"drafts": 0, "accepted": 0, "requests": []}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 @pytest.fixture
 def fake_server():
-    FakeVllm.state = {"drafts": 0, "accepted": 0, "requests": []}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd, url = serve(FakeVllm)
+    yield url
     httpd.shutdown()
+
+
+@pytest.fixture
+def fake_servers():
+    """A drafting and a plain fake server: their URLs."""
+    (drafting, url), (plain, plain_url) = serve(FakeVllm), serve(PlainVllm)
+    yield url, plain_url
+    drafting.shutdown()
+    plain.shutdown()
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
@@ -122,3 +155,139 @@ def test_an_unusable_server_is_one_sentence(url):
         probe_server(url)
     message = str(info.value)
     assert message.count(". ") == 0 and message.endswith(".") and "--server" in message
+
+
+# ------------------------------------------------------------------ the eval command
+
+
+def eval_servers(target, out, *args):
+    argv = ["eval", "--target", target, "--prompts", "chat[:3]", "--max-new-tokens", "4",
+            "--concurrency", "1,2", "--out", str(out), *args]  # fmt: skip
+    return CliRunner().invoke(main, argv)
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_eval_on_servers_gives_the_engines_table_record_and_plots(target, fake_servers,
+                                                                   tmp_path, labelled):  # fmt: skip
+    drafting, plain = fake_servers
+    args = ["--server", drafting, "--server", plain]
+    labels = ["drafted", "plain"]
+    if labelled:
+        args += ["--label", labels[0], "--label", labels[1]]
+    else:  # both report the model "tiny": told apart by their addresses
+        labels = [f"tiny @ {url.split('://')[1]}" for url in fake_servers]
+    result = eval_servers(target, tmp_path / "run", *args)
+    assert result.exit_code == 0, result.output
+    assert f"{labels[1]} ({plain}) reports no spec-decode counters, so it does not draft" in (
+        result.output
+    )
+    record = json.loads((tmp_path / "run" / "record.json").read_text())
+    assert [s["label"] for s in record["servers"]] == labels
+    assert [s["k"] for s in record["servers"]] == [2, 0]
+    assert record["drafts"] == [] and record["config"]["servers"] == [drafting, plain]
+    cells = {(r["label"], r["concurrency"]): r for r in record["runs"]}
+    assert set(cells) == {(label, c) for label in labels for c in (1, 2)}
+    for c in (1, 2):
+        mine, base = cells[(labels[0], c)], cells[(labels[1], c)]
+        assert (mine["k"], base["k"], mine["backend"], mine["server"]) == (2, 0, "server", drafting)
+        # three prompts' replies of at most 4 tokens, one draft per two-token chunk
+        drafts = sum((min(len(p), 4) + 1) // 2 for p in mine["outputs"])
+        assert mine["counters"]["num_drafts"] == drafts and base["counters"] is None
+        assert mine["per_position"] == [1.0, 0.0] and mine["acceptance_length"] == 2.0
+        assert mine["speedup"] == pytest.approx(mine["tokens_per_s"] / base["tokens_per_s"])
+        assert mine["same_as_baseline"] == 1.0 and mine["tpot_s"]["mean"] > 0
+    rec = {r["concurrency"]: r for r in record["recommendation"]}
+    assert set(rec) == {1, 2} and all(r["server"] == drafting for r in rec.values())
+    assert all(r["speculative_config"] is None for r in rec.values())
+    assert "its K=2 " in result.output and "accept len" in result.output
+    for name in ("acceptance.png", "speedup.png"):
+        assert (tmp_path / "run" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "run").glob("vllm_worker*"))  # no engine of its own
+
+
+@pytest.mark.parametrize(
+    ("case", "sentence"),
+    [
+        ("unreachable", "could not read http://127.0.0.1:9/v1/models"),
+        ("labels", "give one --label per --server, in the same order (2 server(s), 1 label(s))"),
+        ("same label", "each --label must name one server"),
+        ("label alone", "--label names a --server"),
+        ("draft", "--draft cannot be used with --server"),
+        ("k", "-k cannot be used with --server"),
+        ("engine flags", "--dtype, --in-process cannot be used with --server"),
+    ],
+)
+def test_servers_that_cannot_be_measured_are_one_sentence(target, fake_servers, tmp_path, case,
+                                                          sentence):  # fmt: skip
+    drafting, plain = fake_servers
+    two = ["--server", drafting, "--server", plain]
+    args = {
+        "unreachable": ["--server", drafting, "--server", "http://127.0.0.1:9"],
+        "labels": [*two, "--label", "a"],
+        "same label": [*two, "--label", "a", "--label", "a"],
+        "label alone": ["--label", "a"],
+        "draft": [*two, "--draft", str(tmp_path)],
+        "k": [*two, "-k", "2"],
+        "engine flags": [*two, "--dtype", "bfloat16", "--in-process"],
+    }[case]
+    result = eval_servers(target, tmp_path / "run", *args)
+    assert result.exit_code == 1
+    (line,) = result.output.splitlines()
+    assert line.startswith("Error: ") and sentence in line and line.endswith(".")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------ a real vllm serve
+
+
+@pytest.mark.slow
+def test_eval_on_real_servers_gives_our_engines_acceptance(tmp_path_factory, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """Two `vllm serve` of a tiny target, with a trained P-EAGLE draft (K=3) and without:
+    `eval --server` reads the acceptance our own engine measures on the same prompts
+    (greedy, float32, one request in flight), the same replies, and the no-draft row."""
+    # our engine on the servers' core (helpers.serve), one thread as theirs
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", last_core())
+    target, draft, _ = trained_target_and_draft(tmp_path_factory.getbasetemp() / "trained-k3", 3)
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+                       "parallel_drafting": True})  # fmt: skip
+
+    def serve_command(*extra):
+        return lambda port: [
+            sys.executable, "-m", "speculators_peagle_plugin", "vllm", "serve", target,
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+            "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "2", *extra,
+        ]  # fmt: skip
+
+    cell = ["--target", target, "--prompts", "chat[:4]", "--max-new-tokens", "24",
+            "--concurrency", "1"]  # fmt: skip
+    env = {"PYTHONPATH": str(REPO)}
+    with (
+        vllm_server(serve_command("--speculative-config", spec), tmp_path / "draft.log",
+                    tmp_path, env) as drafting,
+        vllm_server(serve_command(), tmp_path / "plain.log", tmp_path, env) as plain,
+    ):  # fmt: skip
+        served = CliRunner().invoke(main, ["eval", *cell, "--server", drafting, "--server", plain,
+                                           "--label", "drafted", "--label", "plain",
+                                           "--out", str(tmp_path / "served")])  # fmt: skip
+    assert served.exit_code == 0, served.output
+    assert "plain (" in served.output and "does not draft" in served.output
+    engine = ["--draft", str(draft), "-k", "3", "--no-baseline", "--enforce-eager",
+              "--in-process", "--kv-cache-gb", "1"]  # fmt: skip
+    ours = CliRunner().invoke(main, ["eval", *cell, *engine, "--out", str(tmp_path / "ours")])
+    assert ours.exit_code == 0, ours.output
+    runs = json.loads((tmp_path / "served" / "record.json").read_text())["runs"]
+    (mine,) = json.loads((tmp_path / "ours" / "record.json").read_text())["runs"]
+    by_label = {r["label"]: r for r in runs}
+    server, base = by_label["drafted"], by_label["plain"]
+    print(f"acceptance: server {server['acceptance_length']:.4f} {server['per_position']}, "
+          f"engine {mine['acceptance_length']:.4f} {mine['per_position']}")  # fmt: skip
+    assert 1.2 < mine["acceptance_length"] < 4  # neither trivial nor perfect
+    assert server["k"] == 3 and base["k"] == 0 and base["counters"] is None
+    assert round(server["acceptance_length"], 2) == round(mine["acceptance_length"], 2)
+    assert [round(p, 2) for p in server["per_position"]] == [
+        round(p, 2) for p in mine["per_position"]
+    ]
+    assert server["outputs"] == mine["outputs"] == base["outputs"]
+    assert server["same_as_baseline"] == 1.0 and server["speedup"] > 0
+    assert server["tpot_s"]["mean"] > 0 and base["tpot_s"]["mean"] > 0

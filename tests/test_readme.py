@@ -13,16 +13,14 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers.serve import vllm_server
 from tiny_vllm import tiny_vllm_target
 
 REPO = Path(__file__).parent.parent
@@ -106,12 +104,6 @@ def test_make_targets_are_the_documented_ones():
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in ci  # .ci/run is the README's test command
     assert readme_commands()[:2] == ["make demo", "make test"]  # the README's two commands
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -198,24 +190,8 @@ def test_check_command_passes_the_trained_checkpoint(trained):
 def test_vllm_serve_command_drafts_in_parallel(trained):
     root, target = trained
     (cmd,) = commands_of(("serve",))
-    port = _free_port()
-    log = open(root / "serve.log", "w")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    server = subprocess.Popen(
-        prepared(cmd, root, target, port=port), cwd=root, env=env, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (root / "serve.log").read_text()[-5000:]
-            assert time.monotonic() < deadline, "vllm serve did not come up in 600 s"
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+    log = root / "serve.log"
+    with vllm_server(lambda port: prepared(cmd, root, target, port=port), log, root) as base:
         body = json.dumps({"model": target, "prompt": "Count from 1 to 10.", "max_tokens": 24,
                            "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
         request = urllib.request.Request(f"{base}/v1/completions", body,
@@ -226,18 +202,7 @@ def test_vllm_serve_command_drafts_in_parallel(trained):
         drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", metrics, re.M)
         assert drafts and float(drafts.group(1)) > 0, "the server ran no speculative step"
         # the server took the README's config as given (the engine-level check is eval's)
-        assert "'parallel_drafting':True" in (root / "serve.log").read_text().replace(" ", "")
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(server.pid, sig)
-                server.wait(60)
-                break
-            except ProcessLookupError:  # already gone
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        log.close()
+        assert "'parallel_drafting':True" in log.read_text().replace(" ", "")
 
 
 @pytest.mark.slow

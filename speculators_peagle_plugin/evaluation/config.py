@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
-from ..common.settings import Settings, section
+from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
 
 BACKENDS = ("vllm", "reference")
@@ -22,6 +22,9 @@ BACKENDS = ("vllm", "reference")
 # a small target, and small enough that one engine after another fits a 24 GiB machine
 # (vLLM's own CPU default sizes the cache from the machine's memory instead).
 CPU_KV_CACHE_GB = 4
+# Settings of the drafts and engines eval starts: a running server decodes with its own.
+ENGINE_KEYS = ("drafts", "ks", "backend", "baseline", "dtype", "max_model_len", "kv_cache_gb",
+               "in_process", "enforce_eager", "interleave")  # fmt: skip
 
 
 def _stamp() -> str:
@@ -117,6 +120,11 @@ class EvalConfig(Settings):
             turns, one prompt per engine per turn (:func:`~.harness.plan_turns`), so that
             the machine's drift between minutes cancels out of their speedups. False, or a
             GPU (whose memory one engine claims), runs one engine after another.
+        servers: base URLs of running OpenAI-compatible vLLM servers to measure instead of
+            starting engines (:mod:`.server`); then the settings of ``ENGINE_KEYS`` keep
+            their defaults (each server has its own).
+        labels: the table's name for each server, in the order of ``servers`` (empty: the
+            model name each server reports).
     """
 
     target: str = _opt(help="Local target directory.", show=None)
@@ -159,9 +167,29 @@ class EvalConfig(Settings):
         negate=True,
         show=None,
     )
+    servers: tuple[str, ...] = _opt(
+        (),
+        "URL of a running OpenAI-compatible vLLM server to measure instead of starting engines "
+        "(repeatable); one that does not draft is the no-draft baseline.",
+        flag="--server",
+        multiple=True,
+        show=None,
+    )
+    labels: tuple[str, ...] = _opt(
+        (),
+        "The table's name for each --server, in the same order (repeatable).",
+        flag="--label",
+        multiple=True,
+        show="the model name the server reports",
+    )
 
     def __post_init__(self) -> None:
         self.drafts = tuple(self.drafts)
+        self.servers, self.labels = tuple(self.servers), tuple(self.labels)
+        if self.servers:
+            self._check_server_mode()
+        elif self.labels:
+            raise ValueError("--label names a --server: give the servers' URLs with --server.")
         if self.kv_cache_gb is not None and not _positive_int(self.kv_cache_gb):
             raise ValueError(f"kv_cache_gb must be an integer >= 1, got {self.kv_cache_gb!r}.")
         if self.backend not in BACKENDS:
@@ -177,6 +205,25 @@ class EvalConfig(Settings):
         for draft in self.drafts:
             if not Path(draft).is_dir():
                 raise ValueError(f"draft checkpoint {draft!r} is not a directory.")
+
+    def _check_server_mode(self) -> None:
+        """One --label per server, and none of the settings a server has of its own."""
+        if self.labels and len(self.labels) != len(self.servers):
+            raise ValueError(
+                f"give one --label per --server, in the same order ({len(self.servers)} "
+                f"server(s), {len(self.labels)} label(s))."
+            )
+        if len(set(self.labels)) < len(self.labels):
+            raise ValueError(f"each --label must name one server, got {list(self.labels)!r}.")
+        values = flatten(self)
+        given = [leaf.field.metadata.get("short") or leaf.flag for leaf in leaves(type(self))
+                 if leaf.key in ENGINE_KEYS and values[leaf.key] != leaf.default]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} cannot be used with --server: each server decodes with "
+                "its own draft, K and engine settings (start one `vllm serve` per draft and K "
+                "and give each URL to --server)."
+            )
 
     def resolved_kv_cache_gb(self, engines_alive: int = 1) -> int | None:
         """The KV cache each vLLM worker gets: the flag, else ``CPU_KV_CACHE_GB`` on CPU,

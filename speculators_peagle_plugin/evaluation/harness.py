@@ -39,7 +39,8 @@ from ..serving.check import check_checkpoint
 from .card import update_model_cards
 from .cells import CELLS_FILE, FinishedCells, cell_key, merge_pieces, resume_units
 from .config import EvalConfig
-from .report import finish_record, start_record, summarize
+from .report import cell_tag, finish_record, progress_callback, run_entry, start_record
+from .server import probe_servers, run_servers
 
 __all__ = ["EvalConfig", "evaluate"]
 
@@ -49,20 +50,29 @@ def evaluate(
 ) -> dict:
     """Run the evaluation; returns the record also written to ``output_dir/record.json``.
 
+    With ``config.servers`` the cells are measured on those running servers
+    (:mod:`.server`) instead of on engines of its own.
+
     Raises ``ValueError`` for bad input (paths, a draft that fails the check, an empty
-    prompt set) and ``RuntimeError`` if vLLM fails or does not draft in parallel.
+    prompt set, a server that cannot be measured) and ``RuntimeError`` if vLLM fails or
+    does not draft in parallel.
     """
     from transformers import AutoTokenizer
 
+    servers = probe_servers(config.servers, config.labels, echo) if config.servers else None
     checks = _check_drafts(config, echo)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     prompt_sets = [load_prompt_set(spec) for spec in config.sweep.prompt_sets]
     prompts = {p.name: render_prompts(tokenizer, p) for p in prompt_sets}
-    jobs = _jobs(config, prompts)
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = start_record(config, argv, checks, tokenizer, prompt_sets)
-    runs = _run_jobs(config, jobs, tokenizer, out_dir, record)
+    if servers is None:
+        runs = _run_jobs(config, _jobs(config, prompts), tokenizer, out_dir, record)
+    else:
+        record["servers"] = [dataclasses.asdict(s) for s in servers]
+        stop_ids = stop_token_ids(config.target, tokenizer)
+        runs = run_servers(servers, prompts, config.sweep, stop_ids, config.ignore_eos)
     for run in runs:
         run["per_category"] = per_category(run, prompt_sets)
     record["resumed_cells"] = sum(run["resumed"] for run in runs)
@@ -312,8 +322,8 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
         for n, (i, piece) in enumerate(plan):
             job = jobs[i]
             k, c = job.engine.num_speculative_tokens, job.engine.batch_size
-            tag = f"{job.prompt_set} · {job.label}" + (f" · K={k}" if k else "") + f" · c={c}"
-            progress = _progress(bar, tag)
+            tag = cell_tag(job.prompt_set, job.label, k, c)
+            progress = progress_callback(bar, tag)
             bar.set_postfix_str(f"{tag} · starting")
             if workers is not None:
                 pieces[i].append(workers.run(n, piece, progress))
@@ -332,24 +342,11 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
             workers.close()
     runs = []
     for i, job in enumerate(jobs):
-        result = results[i]
-        runs.append(
-            {
-                "prompt_set": job.prompt_set,
-                "draft": job.engine.draft,
-                "label": job.label,
-                "k": job.engine.num_speculative_tokens or 0,
-                "concurrency": job.engine.batch_size,
-                "backend": config.backend,
-                "pieces": result["pieces"],
-                "resumed": i in resumed,
-                "counters": result["counters"],
-                "engine": result["engine"],
-                **summarize(result),
-                "accepted_histograms": result.get("accepted_histograms"),
-                "outputs": result["outputs"],
-            }
-        )
+        runs.append(run_entry(
+            results[i], prompt_set=job.prompt_set, draft=job.engine.draft, label=job.label,
+            k=job.engine.num_speculative_tokens or 0, concurrency=job.engine.batch_size,
+            backend=config.backend, resumed=i in resumed,
+        ))  # fmt: skip
     return runs
 
 
@@ -371,22 +368,3 @@ def _unit_key(config: EvalConfig, unit: list[_Job], record: dict, in_turns: bool
         }  # fmt: skip
         cells.append(cell_key(job.engine, setting))
     return {"in_turns": in_turns, "cells": cells}
-
-
-def _progress(bar, tag: str) -> Callable[[dict], None]:
-    """A callback that shows one job's engine start, progress and running figures."""
-    seen = {"done": 0}
-
-    def progress(msg: dict) -> None:
-        if msg.get("event") == "engine":
-            bar.set_postfix_str(f"{tag} · engine up in {msg['start_s']:.0f}s")
-            return
-        bar.update(msg["done"] - seen["done"])
-        seen["done"] = msg["done"]
-        figures = summarize(msg)
-        shown = f"{tag} · {figures['tokens_per_s'] or 0:.0f} tok/s"
-        if figures["acceptance_length"] is not None:
-            shown += f" · accept len {figures['acceptance_length']:.2f}"
-        bar.set_postfix_str(shown)
-
-    return progress

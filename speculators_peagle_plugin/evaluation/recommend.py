@@ -3,7 +3,9 @@
 For each draft and concurrency, the K whose speedup over no draft (the mean over the
 prompt sets, each against its own baseline at that concurrency) is highest, or "no draft"
 when no K beats 1.0; with the ``--speculative-config`` JSON that serves it in
-``vllm serve`` (P-EAGLE: ``eagle3`` with ``parallel_drafting``).
+``vllm serve`` (P-EAGLE: ``eagle3`` with ``parallel_drafting``). A server measured by
+``eval --server`` drafts at its own K, with a draft eval cannot name: its line says whether
+that K pays, against the no-draft server.
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ def recommend(runs: Sequence[dict]) -> list[dict]:
     Args:
         runs: the record's runs, with ``speedup`` filled in (``compare_with_baseline``).
 
-    Returns ``[{"draft", "label", "concurrency", "k", "speedup", "speculative_config"}]``;
+    Returns ``[{"draft", "label", "concurrency", "k", "speedup", "speculative_config"}]``
+    (and ``"server"``, its URL, for a server's runs, whose ``speculative_config`` is None);
     ``k`` and ``speculative_config`` are None ("no draft") when no K has a speedup > 1.
     Example: speedups K=2: 1.4x, K=4: 1.2x at c=1 and 0.6x, 0.4x at c=16 -> K=2 at c=1,
     no draft at c=16.
     """
-    cells: dict[tuple[str, str, int], dict[int, list[float]]] = {}
+    cells: dict[tuple, dict[int, list[float]]] = {}
     for r in runs:
         if r["k"] and r.get("speedup"):
-            key = (r["draft"], r["label"], r.get("concurrency"))
+            key = (r["draft"], r.get("server"), r["label"], r.get("concurrency"))
             cells.setdefault(key, {}).setdefault(r["k"], []).append(r["speedup"])
     out = []
-    for (draft, label, concurrency), by_k in cells.items():
+    for (draft, server, label, concurrency), by_k in cells.items():
         mean = {k: sum(v) / len(v) for k, v in by_k.items()}
         best = max(sorted(mean), key=lambda k: mean[k])  # ties: the smaller K
         pays = mean[best] > 1.0
@@ -53,7 +56,8 @@ def recommend(runs: Sequence[dict]) -> list[dict]:
                 "k": best if pays else None,
                 "speedup": mean[best],
                 "speedup_by_k": mean,
-                "speculative_config": speculative_config(draft, best) if pays else None,
+                "speculative_config": speculative_config(draft, best) if pays and draft else None,
+                **({"server": server} if server else {}),
             }
         )
     return sorted(out, key=lambda r: (r["label"], r["concurrency"] or 0))
@@ -64,7 +68,11 @@ def format_recommendation(recommendations: Sequence[dict]) -> str:
     lines = []
     for r in recommendations:
         head = f"{r['label']} at concurrency {r['concurrency']}: "
-        if r["k"] is None:
+        if r.get("server"):
+            (k,) = r["speedup_by_k"]
+            pays = "pays" if r["k"] else "does not pay: serve without a draft"
+            lines.append(head + f"its K={k} {pays} ({r['speedup']:.2f}x, {r['server']})")
+        elif r["k"] is None:
             lines.append(head + f"no draft (best K reaches {r['speedup']:.2f}x)")
         else:
             config = json.dumps(r["speculative_config"])

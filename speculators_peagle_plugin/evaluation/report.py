@@ -17,7 +17,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -28,11 +28,14 @@ from .plots import write_plots
 from .recommend import format_recommendation, recommend
 
 __all__ = [
+    "cell_tag",
     "checkpoint_hash",
     "compare_with_baseline",
     "finish_record",
     "format_table",
     "hash_files",
+    "progress_callback",
+    "run_entry",
     "provenance",
     "start_record",
     "summarize",
@@ -61,6 +64,46 @@ def summarize(result: dict) -> dict:
         out["acceptance_length"] = parsed.acceptance_length
         out["per_position"] = parsed.per_position
     return out
+
+
+def run_entry(result: dict, **cell) -> dict:
+    """The record's run of one cell: ``cell`` (what names it: ``prompt_set``, ``draft``,
+    ``label``, ``k``, ``concurrency``, ``backend``, ...) and the figures of its raw
+    ``result`` (an engine's or a server's)."""
+    return {
+        **cell,
+        "pieces": result["pieces"],
+        "counters": result["counters"],
+        "engine": result["engine"],
+        **summarize(result),
+        "accepted_histograms": result.get("accepted_histograms"),
+        "outputs": result["outputs"],
+    }
+
+
+def cell_tag(prompt_set: str, label: str, k: int, concurrency: int) -> str:
+    """How the progress bar names a cell: ``chat · my-draft · K=2 · c=4``."""
+    return f"{prompt_set} · {label}" + (f" · K={k}" if k else "") + f" · c={concurrency}"
+
+
+def progress_callback(bar, tag: str) -> Callable[[dict], None]:
+    """A callback that shows one cell's engine start, progress and running figures on the
+    tqdm ``bar``; ``tag`` names the cell."""
+    seen = {"done": 0}
+
+    def progress(msg: dict) -> None:
+        if msg.get("event") == "engine":
+            bar.set_postfix_str(f"{tag} · engine up in {msg['start_s']:.0f}s")
+            return
+        bar.update(msg["done"] - seen["done"])
+        seen["done"] = msg["done"]
+        figures = summarize(msg)
+        shown = f"{tag} · {figures['tokens_per_s'] or 0:.0f} tok/s"
+        if figures["acceptance_length"] is not None:
+            shown += f" · accept len {figures['acceptance_length']:.2f}"
+        bar.set_postfix_str(shown)
+
+    return progress
 
 
 def _spread(values: Sequence[float | None] | None) -> dict | None:

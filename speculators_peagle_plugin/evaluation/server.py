@@ -14,25 +14,34 @@ request's streaming interval (first to last token) over its tokens after the fir
 A server whose ``/metrics`` has no spec-decode counter does not draft: it is the
 baseline the drafting servers' speedups are measured against.
 
+``eval --server URL [--label NAME] ...`` (:func:`run_servers`) measures every (server,
+concurrency, prompt set) cell, one server after another, and the harness builds the same
+table, record and figures from them as from its own engines' cells.
+
 Example::
 
-    servers = [Server("http://127.0.0.1:8000", "draft"), Server("http://127.0.0.1:8001", "base")]
+    servers = probe_servers(["http://127.0.0.1:8000", "http://127.0.0.1:8001"], [], print)
     result = run_server_cell(servers[0], prompts, concurrency=4, max_tokens=128, stop_ids={2})
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..engine.counters import SpecDecodeCounters
+from .config import SweepConfig
+from .report import cell_tag, progress_callback, run_entry
 
-__all__ = ["Server", "ServerError", "probe_server", "run_server_cell"]
+__all__ = ["Server", "ServerError", "probe_server", "probe_servers", "run_server_cell",
+           "run_servers"]  # fmt: skip
 
 TIMEOUT_S = 600.0  # one request, streamed: long enough for a slow CPU server's longest reply
 
@@ -66,6 +75,19 @@ def _get(url: str, timeout: float = 30.0) -> bytes:
         ) from None
 
 
+def _reason(exc: OSError) -> str:
+    """Why a request failed: an HTTP error's message from the server (vLLM's JSON
+    ``{"error": {"message": ...}}``), else the connection's reason."""
+    if isinstance(exc, urllib.error.HTTPError):
+        try:
+            body = json.loads(exc.read())
+            message = body.get("error", body).get("message")
+        except (ValueError, AttributeError, OSError):
+            message = None
+        return f"HTTP {exc.code}: {message or exc.reason}".rstrip(".")
+    return str(getattr(exc, "reason", exc))
+
+
 def read_counters(url: str) -> SpecDecodeCounters | None:
     """The server's spec-decode counters now (None: it does not draft)."""
     text = _get(url.rstrip("/") + "/metrics").decode()
@@ -74,7 +96,10 @@ def read_counters(url: str) -> SpecDecodeCounters | None:
 
 
 def probe_server(url: str, label: str | None = None) -> Server:
-    """The server at ``url``, with its model id and K; :class:`ServerError` if unusable."""
+    """The server at ``url``, with its model id and K; :class:`ServerError` if unusable.
+
+    Its label is ``label``, else the model id it reports.
+    """
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ServerError(f"--server takes a URL such as http://127.0.0.1:8000, got {url!r}.")
@@ -87,7 +112,30 @@ def probe_server(url: str, label: str | None = None) -> Server:
         raise ServerError(f"the server at {url} serves no model.")
     counters = read_counters(url)
     k = len(counters.accepted_per_pos) if counters else 0
-    return Server(url, label or url, models[0]["id"], k)
+    model = models[0]["id"]
+    return Server(url, label or model, model, k)
+
+
+def probe_servers(urls: Sequence[str], labels: Sequence[str], echo: Callable[[str], None]
+                  ) -> list[Server]:  # fmt: skip
+    """Every server of ``eval --server``, labelled; each one that does not draft is named in
+    a sentence (its rows are the no-draft baseline).
+
+    Servers left to the model ids they report, and reporting the same one, are told apart by
+    their URLs: two servers of ``t`` at ports 8000 and 8001 -> ``t @ 127.0.0.1:8000``,
+    ``t @ 127.0.0.1:8001``.
+    """
+    servers = [probe_server(url, label) for url, label in zip(urls, labels or [None] * len(urls),
+                                                              strict=True)]  # fmt: skip
+    if not labels:
+        models = [s.model for s in servers]
+        servers = [dataclasses.replace(s, label=f"{s.model} @ {s.url.split('://', 1)[1]}")
+                   if models.count(s.model) > 1 else s for s in servers]  # fmt: skip
+    for s in servers:
+        if not s.k:
+            echo(f"{s.label} ({s.url}) reports no spec-decode counters, so it does not draft: "
+                 "its rows are the no-draft baseline.")  # fmt: skip
+    return servers
 
 
 def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[int],
@@ -114,10 +162,10 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[
                     if new:
                         tokens += new
                         stamps.append((time.perf_counter(), len(new)))
-    except OSError as exc:  # URLError is an OSError
+    except OSError as exc:  # URLError and HTTPError are OSErrors
         raise ServerError(
-            f"the request to {server.url}/v1/completions failed "
-            f"({getattr(exc, 'reason', exc)}); see the server's log."
+            f"the request to {server.url}/v1/completions failed ({_reason(exc)}); see the "
+            "server's log."
         ) from None
     tpot, after_first = None, len(tokens) - (stamps[0][1] if stamps else 0)
     if after_first > 0:
@@ -160,3 +208,39 @@ def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: i
         "engine": {"server": server.url, "model": server.model},
         "pieces": 1,
     }
+
+
+def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
+                sweep: SweepConfig, stop_ids: set[int], ignore_eos: bool
+                ) -> list[dict]:  # fmt: skip
+    """Every (server, concurrency, prompt set) cell under one progress bar, one server after
+    another; one record run per cell, as the harness makes them from its engines' cells.
+
+    Args:
+        servers: from :func:`probe_servers`.
+        prompts: ``{prompt set: [prompt token ids]}``, rendered as the target's chat template
+            renders them.
+        sweep: the concurrencies, new tokens and prompts per slot (its K are the servers').
+    """
+    from tqdm import tqdm
+
+    cells = []
+    for server in servers:
+        for c in sweep.concurrency:
+            for name, ids in prompts.items():
+                cells.append((server, c, name, ids[: sweep.prompts_per_slot * c]
+                              if sweep.prompts_per_slot else ids))  # fmt: skip
+    bar = tqdm(total=sum(len(ids) for *_, ids in cells), unit="prompt", desc="eval")
+    runs = []
+    try:
+        for server, c, name, ids in cells:
+            progress = progress_callback(bar, cell_tag(name, server.label, server.k, c))
+            result = run_server_cell(server, ids, c, sweep.max_new_tokens, stop_ids, ignore_eos,
+                                     progress)  # fmt: skip
+            runs.append(run_entry(
+                result, prompt_set=name, draft=None, server=server.url, label=server.label,
+                k=server.k, concurrency=c, backend="server", resumed=False,
+            ))  # fmt: skip
+    finally:
+        bar.close()
+    return runs
