@@ -230,8 +230,8 @@ def test_flex_that_does_not_compile_fails_its_checks_and_one_broken_check_only_i
 
 
 def test_speculators_side_whose_default_loss_fails_is_measured_with_its_eager_loss():
-    """Its fused loss has no CPU kernel, as its compiled fused loss failed under torch 2.11
-    on a GPU: the step runs its eager loss from then on and says so; the loss is finite."""
+    """Its fused loss has no CPU kernel: the step runs its eager loss from then on and
+    says so; the loss is finite."""
     from speculators_peagle_plugin.selftest import perf
 
     step = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none", loss_impl="fused")

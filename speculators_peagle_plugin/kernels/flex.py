@@ -14,9 +14,9 @@ from torch.nn.attention.flex_attention import flex_attention
 logger = logging.getLogger(__name__)
 
 # Inductor's default mode and automatic dynamic shapes, as speculators compiles its
-# forward: max-autotune benchmarks every template config at each new shape (minutes on a
-# GPU) and its benchmarking broke on torch 2.11; with every dimension forced dynamic, a
-# later compile found no valid flex config there (`speculators-peagle selftest --device cuda`).
+# forward: max-autotune benchmarks every template config at each new shape, minutes on a
+# GPU. `speculators-peagle selftest --device cuda` checks that this compile succeeds on the
+# user's torch (eval/RESULTS.md, section 13, has what it found).
 _peagle_flex_attention_compiled = torch.compile(flex_attention)
 # Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
 # once it has; every later call of that signature is refused.
