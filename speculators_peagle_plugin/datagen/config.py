@@ -148,8 +148,7 @@ class DataGenConfig(Settings):
     hidden_states_dtype: str = setting(
         "target",
         "Stored hidden states: target = in --dtype; float8 = float8_e4m3fn with a float32 "
-        "scale per token (half of bfloat16's disk; its acceptance cost is measured in "
-        "eval/RESULTS.md).",
+        "scale per token (half of bfloat16's disk; lossy: 3 mantissa bits to bfloat16's 7).",
         choices=STORAGE_DTYPES,
     )
     tensor_parallel_size: int = setting(1, "vLLM's tensor parallel size (vllm only).")
