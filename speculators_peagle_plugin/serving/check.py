@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,22 +114,22 @@ def run_rules(
     draft = CheckedDraft(ckpt, target, k, device, scan_values)
     found: list[Finding] = []
     for rule in _RULES:
-        new = rule(draft)
+        new = list(rule(draft))
         found += new
         if new and rule in CONFIG_GATES:
             break
     return found
 
 
-def _weights(d: CheckedDraft) -> list[Finding]:
+def _weights(d: CheckedDraft) -> Iterable[Finding]:
     return check_weights(d.ckpt, d.scan_values)
 
 
-def _target(d: CheckedDraft) -> list[Finding]:
+def _target(d: CheckedDraft) -> Iterable[Finding]:
     return check_target(d.config, d.target, d.device)
 
 
-def _card(d: CheckedDraft) -> list[Finding]:
+def _card(d: CheckedDraft) -> Iterable[Finding]:
     return card_findings(d.ckpt)
 
 

@@ -2,7 +2,8 @@
 P-EAGLE loading path accepts (``vllm/transformers_utils/configs/speculators/{base,algos}.py``,
 ``vllm/model_executor/models/{llama,qwen3}_eagle3.py``).
 
-Each rule is a function of the :class:`CheckedDraft` that returns its findings;
+Each rule is a function of the :class:`CheckedDraft` that yields a finding for each
+problem it sees, so that it reads as the problem's condition and its message;
 :data:`CONFIG_RULES` lists them in report order, and :data:`CONFIG_GATES` names the rules
 whose finding ends the check (:func:`.check.run_rules` runs them, then the weight and
 target rules).
@@ -10,7 +11,7 @@ target rules).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,67 +54,54 @@ class CheckedDraft:
         return self.config["transformer_layer_config"]
 
 
-Rule = Callable[[CheckedDraft], list[Finding]]
+Rule = Callable[[CheckedDraft], Iterable[Finding]]
 
 
 # ------------------------------------------------------------------ the config
 
 
-def _speculators_type(d: CheckedDraft) -> list[Finding]:
+def _speculators_type(d: CheckedDraft) -> Iterator[Finding]:
     kind = d.config.get("speculators_model_type")
-    if kind == "peagle":
-        return []
     if kind is None:
-        return [
-            error(
-                "not-speculators",
-                "config.json has no speculators_model_type, so this is not a "
-                "speculators-format checkpoint.",
-                "Save the draft with speculators-peagle train or speculators.",
-            )
-        ]
-    return [
-        error(
+        yield error(
+            "not-speculators",
+            "config.json has no speculators_model_type, so this is not a "
+            "speculators-format checkpoint.",
+            "Save the draft with speculators-peagle train or speculators.",
+        )
+    elif kind != "peagle":
+        yield error(
             "not-peagle",
             f"speculators_model_type is {kind!r}, not 'peagle': vLLM would not draft "
             "the K tokens in parallel from a mask token.",
             "Train a P-EAGLE draft (speculators-peagle train --algorithm peagle).",
         )
-    ]
 
 
-def _top_level_model_type(d: CheckedDraft) -> list[Finding]:
-    if "model_type" not in d.config:
-        return []
-    return [
-        error(
+def _top_level_model_type(d: CheckedDraft) -> Iterator[Finding]:
+    if "model_type" in d.config:
+        yield error(
             "model-type",
             f"config.json has a top-level model_type ({d.config['model_type']!r}), so vLLM "
             "loads it as a plain model instead of a speculators draft.",
             "Remove the top-level model_type key.",
             mechanical=True,
         )
-    ]
 
 
-def _layer_config(d: CheckedDraft) -> list[Finding]:
-    if isinstance(d.config.get("transformer_layer_config"), dict):
-        return []
-    return [
-        error(
+def _layer_config(d: CheckedDraft) -> Iterator[Finding]:
+    if not isinstance(d.config.get("transformer_layer_config"), dict):
+        yield error(
             "layer-config",
             "transformer_layer_config is missing or not an object; vLLM cannot build "
             "the draft layers.",
             "Save the checkpoint with speculators' PEagleSpeculatorConfig.",
         )
-    ]
 
 
-def _layer_type_recorded(d: CheckedDraft) -> list[Finding]:
-    if d.layer.get("model_type") is not None:
-        return []
-    return [
-        error(
+def _layer_type_recorded(d: CheckedDraft) -> Iterator[Finding]:
+    if d.layer.get("model_type") is None:
+        yield error(
             "layer-type",
             "transformer_layer_config has no model_type: vLLM builds llama layers, "
             "speculators qwen3 layers.",
@@ -121,200 +109,165 @@ def _layer_type_recorded(d: CheckedDraft) -> list[Finding]:
             "(export infers it from the weights).",
             mechanical=True,
         )
-    ]
 
 
-def _layer_type_supported(d: CheckedDraft) -> list[Finding]:
+def _layer_type_supported(d: CheckedDraft) -> Iterator[Finding]:
     layer_type = d.layer.get("model_type")
-    if layer_type is None or layer_type in LAYER_TYPES:
-        return []
-    return [
-        error(
+    if layer_type is not None and layer_type not in LAYER_TYPES:
+        yield error(
             "layer-type",
             f"transformer_layer_config.model_type is {layer_type!r}; vLLM's "
             f"P-EAGLE supports only {', '.join(LAYER_TYPES)}.",
             "Train the draft with llama or qwen3 layers (--draft-arch).",
         )
-    ]
 
 
-def _speculative_tokens(d: CheckedDraft) -> list[Finding]:
-    if declared_k(d.config) is not None:
-        return []
-    return [
-        error(
+def _speculative_tokens(d: CheckedDraft) -> Iterator[Finding]:
+    if declared_k(d.config) is None:
+        yield error(
             "speculative-tokens",
             "speculators_config.proposal_methods[0].speculative_tokens is missing or "
             "not a positive integer; vLLM refuses the config.",
             "Set it to the trained K (export --num-speculative-tokens K).",
             mechanical=True,
         )
-    ]
 
 
-def _verifier(d: CheckedDraft) -> list[Finding]:
+def _verifier(d: CheckedDraft) -> Iterator[Finding]:
     spec = d.config.get("speculators_config")
-    if isinstance(spec, dict) and "name_or_path" in (spec.get("verifier") or {}):
-        return []
-    return [
-        error(
+    if not (isinstance(spec, dict) and "name_or_path" in (spec.get("verifier") or {})):
+        yield error(
             "verifier",
             "speculators_config.verifier.name_or_path is missing; vLLM refuses the config.",
             "Add it (the target's path or name; export writes --target or null).",
             mechanical=True,
         )
-    ]
 
 
-def _served_depth(d: CheckedDraft) -> list[Finding]:
+def _served_depth(d: CheckedDraft) -> Iterator[Finding]:
     """Depths past the trained K were never trained: their drafts are noise."""
     trained_k = trained_depths(d.config)
     if d.k is None or trained_k is None or d.k <= trained_k:
-        return []
+        return
     first, last = trained_k + 1, d.k
     positions = f"position {first}" if first == last else f"positions {first}..{last}"
-    return [
-        warning(
-            "depth",
-            f"K = {d.k} is past the {trained_k} depths the draft was trained for; "
-            f"acceptance at {positions} is meaningless.",
-            f"Serve with num_speculative_tokens <= {trained_k}.",
-        )
-    ]
+    yield warning(
+        "depth",
+        f"K = {d.k} is past the {trained_k} depths the draft was trained for; "
+        f"acceptance at {positions} is meaningless.",
+        f"Serve with num_speculative_tokens <= {trained_k}.",
+    )
 
 
-def _draft_vocab(d: CheckedDraft) -> list[Finding]:
-    if d.config.get("draft_vocab_size") is not None:
-        return []
-    return [
-        error(
+def _draft_vocab(d: CheckedDraft) -> Iterator[Finding]:
+    if d.config.get("draft_vocab_size") is None:
+        yield error(
             "draft-vocab",
             "draft_vocab_size is missing: vLLM assumes the full vocabulary and speculators 32000.",
             "Set draft_vocab_size to lm_head's row count.",
             mechanical=True,
         )
-    ]
 
 
-def _fc_norm(d: CheckedDraft) -> list[Finding]:
-    if not d.config.get("fc_norm") or d.layer.get("fc_norm"):
-        return []
-    return [
-        error(
+def _fc_norm(d: CheckedDraft) -> Iterator[Finding]:
+    if d.config.get("fc_norm") and not d.layer.get("fc_norm"):
+        yield error(
             "fc-norm",
             "fc_norm is true, but vLLM 0.32 reads it for P-EAGLE only from "
             "transformer_layer_config, so it would reject the fc_norm weights.",
             "Copy fc_norm: true into transformer_layer_config.",
             mechanical=True,
         )
-    ]
 
 
-def _mask_token_id(d: CheckedDraft) -> list[Finding]:
+def _mask_token_id(d: CheckedDraft) -> Iterator[Finding]:
     mask_id, vocab = d.config.get("mask_token_id"), d.layer.get("vocab_size")
     if usable_mask_token_id(d.config) is not None:
-        return []
+        return
     if not is_int(mask_id):
-        return [
-            error(
-                "mask-token-id",
-                f"mask_token_id is {mask_id!r}; vLLM needs the integer id the draft was "
-                "trained with to fill the K-1 parallel slots.",
-                "Set mask_token_id to the trained id (export --mask-token-id ID).",
-                mechanical=True,
-            )
-        ]
-    return [
-        error(
+        yield error(
+            "mask-token-id",
+            f"mask_token_id is {mask_id!r}; vLLM needs the integer id the draft was "
+            "trained with to fill the K-1 parallel slots.",
+            "Set mask_token_id to the trained id (export --mask-token-id ID).",
+            mechanical=True,
+        )
+    else:
+        yield error(
             "mask-token-id",
             f"mask_token_id {mask_id} is outside the embedding [0, {vocab}).",
             "Retrain with a mask token inside the vocabulary that the tokenizer never produces.",
         )
-    ]
 
 
-def _draft_head_dim(d: CheckedDraft) -> list[Finding]:
+def _draft_head_dim(d: CheckedDraft) -> Iterator[Finding]:
     dim = head_dim(d.layer)
-    if d.device != "cpu" or dim is None or dim in CPU_HEAD_DIMS:
-        return []
-    return [
-        error(
+    if d.device == "cpu" and dim is not None and dim not in CPU_HEAD_DIMS:
+        yield error(
             "head-dim",
             f"the draft's head_dim {dim} is not supported by vLLM's CPU attention "
             f"({', '.join(map(str, CPU_HEAD_DIMS))}).",
             "Serve on CUDA, or train the draft with a supported head_dim.",
         )
-    ]
 
 
 # -------------------------------------------------------------- the aux layers
 
 
-def _layer_ids(d: CheckedDraft) -> list[Finding]:
+def _layer_ids(d: CheckedDraft) -> Iterator[Finding]:
     """The aux layer ids: recorded, distinct, ascending, and layers the target has."""
     ids = d.config.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
-        return [
-            warning(
-                "layer-ids",
-                "eagle_aux_hidden_state_layer_ids is not recorded; vLLM feeds the "
-                "target's default layers (2, N//2, N-3).",
-                "Record the layer ids the draft was trained on.",
-            )
-        ]
-    found = []
+        yield warning(
+            "layer-ids",
+            "eagle_aux_hidden_state_layer_ids is not recorded; vLLM feeds the "
+            "target's default layers (2, N//2, N-3).",
+            "Record the layer ids the draft was trained on.",
+        )
+        return
     if len(set(ids)) != len(ids):
-        found.append(
-            error(
-                "layer-ids",
-                f"eagle_aux_hidden_state_layer_ids {ids} repeats a layer; vLLM captures "
-                "each layer once, so the draft gets fewer aux states than it expects.",
-                "Retrain with distinct layer ids.",
-            )
+        yield error(
+            "layer-ids",
+            f"eagle_aux_hidden_state_layer_ids {ids} repeats a layer; vLLM captures "
+            "each layer once, so the draft gets fewer aux states than it expects.",
+            "Retrain with distinct layer ids.",
         )
     elif list(ids) != sorted(ids):
-        found.append(
-            error(
-                "layer-order",
-                f"eagle_aux_hidden_state_layer_ids {ids} is not ascending; vLLM "
-                "concatenates aux states in layer order, so fc would read them permuted.",
-                "Sort the ids and permute fc / mask_hidden column blocks to match.",
-                mechanical=True,
-            )
+        yield error(
+            "layer-order",
+            f"eagle_aux_hidden_state_layer_ids {ids} is not ascending; vLLM "
+            "concatenates aux states in layer order, so fc would read them permuted.",
+            "Sort the ids and permute fc / mask_hidden column blocks to match.",
+            mechanical=True,
         )
-    if d.target is not None:
-        n = target_config(d.target).num_hidden_layers
-        bad = [i for i in ids if not 0 <= i <= n]
-        if bad:
-            found.append(
-                error(
-                    "layer-ids",
-                    f"aux layer ids {bad} are outside [0, {n}] for a target with {n} "
-                    "layers; vLLM never captures them.",
-                    "Use the target the draft was trained for.",
-                )
-            )
-    return found
+    if d.target is None:
+        return
+    n = target_config(d.target).num_hidden_layers
+    bad = [i for i in ids if not 0 <= i <= n]
+    if bad:
+        yield error(
+            "layer-ids",
+            f"aux layer ids {bad} are outside [0, {n}] for a target with {n} "
+            "layers; vLLM never captures them.",
+            "Use the target the draft was trained for.",
+        )
 
 
-def _aux_count(d: CheckedDraft) -> list[Finding]:
+def _aux_count(d: CheckedDraft) -> Iterator[Finding]:
     """vLLM's llama draft sizes fc for the default aux count unless told otherwise."""
     n_aux = aux_layer_count(d.config)
     if (
-        d.layer.get("model_type") != "llama"
-        or n_aux == DEFAULT_AUX_LAYERS
-        or "num_aux_hidden_states" in d.layer
+        d.layer.get("model_type") == "llama"
+        and n_aux != DEFAULT_AUX_LAYERS
+        and "num_aux_hidden_states" not in d.layer
     ):
-        return []
-    return [
-        error(
+        yield error(
             "aux-count",
             f"the draft reads {n_aux} aux layers, but vLLM 0.32's llama P-EAGLE draft "
             "sizes fc for 3 unless transformer_layer_config says otherwise.",
             f"Set transformer_layer_config.num_aux_hidden_states = {n_aux}.",
             mechanical=True,
         )
-    ]
 
 
 CONFIG_RULES: tuple[Rule, ...] = (

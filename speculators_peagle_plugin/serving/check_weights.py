@@ -9,7 +9,7 @@ first, as ``export`` would fill them, so that each problem is reported once.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,36 +41,31 @@ class _Weights:
     expected: dict[str, tuple[int, ...]]
 
 
-def check_weights(ckpt: DraftCheckpoint, scan_values: bool) -> list[Finding]:
+def check_weights(ckpt: DraftCheckpoint, scan_values: bool) -> Iterator[Finding]:
     """The weight findings of ``ckpt``, in report order; ``scan_values`` reads every tensor."""
     if not ckpt.files:
-        return [
-            error(
-                "no-weights",
-                "the checkpoint has no *.safetensors weights.",
-                "Save the draft with save_pretrained (safetensors).",
-            )
-        ]
-    found = _model_prefix(ckpt)
+        yield error(
+            "no-weights",
+            "the checkpoint has no *.safetensors weights.",
+            "Save the draft with save_pretrained (safetensors).",
+        )
+        return
+    yield from _model_prefix(ckpt)
     shapes = {n.removeprefix(PREFIX): s for n, s in ckpt.shapes.items()}
     try:
         expected = _expected_shapes(_as_exported(ckpt.config, shapes))
     except Exception as exc:  # noqa: BLE001 - any construction failure is the finding
-        return [
-            *found,
-            error(
-                "config",
-                f"the config does not build a P-EAGLE draft ({type(exc).__name__}: "
-                f"{first_line(exc)}).",
-                "Save the checkpoint with speculators' PEagleSpeculatorConfig.",
-            ),
-        ]
+        yield error(
+            "config",
+            f"the config does not build a P-EAGLE draft ({type(exc).__name__}: {first_line(exc)}).",
+            "Save the checkpoint with speculators' PEagleSpeculatorConfig.",
+        )
+        return
     weights = _Weights(ckpt.config, shapes, expected)
     for rule in _RULES:
-        found += rule(weights)
+        yield from rule(weights)
     if scan_values:
-        found += _values(ckpt)
-    return found
+        yield from _values(ckpt)
 
 
 def _as_exported(config: dict, shapes: dict) -> dict:
@@ -96,121 +91,98 @@ def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in draft.state_dict().items() if k not in VERIFIER_ONLY}
 
 
-def _model_prefix(ckpt: DraftCheckpoint) -> list[Finding]:
-    if not any(n.startswith(PREFIX) for n in ckpt.shapes):
-        return []
-    return [
-        error(
+def _model_prefix(ckpt: DraftCheckpoint) -> Iterator[Finding]:
+    if any(n.startswith(PREFIX) for n in ckpt.shapes):
+        yield error(
             "model-prefix",
             "weight names start with 'model.'; vLLM prepends its own prefix and "
             "would not find them.",
             "Strip the 'model.' prefix from the weight names.",
             mechanical=True,
         )
-    ]
 
 
-def _mask_hidden(w: _Weights) -> list[Finding]:
-    if "mask_hidden" in w.shapes:
-        return []
-    return [
-        error(
+def _mask_hidden(w: _Weights) -> Iterator[Finding]:
+    if "mask_hidden" not in w.shapes:
+        yield error(
             "mask-hidden",
             "the weights have no mask_hidden, the learned hidden state of the K-1 "
             "parallel slots; vLLM refuses to load the draft.",
             "Train the draft as P-EAGLE (a draft without mask_hidden was never "
             "trained to draft in parallel).",
         )
-    ]
 
 
-def _d2t_saved(w: _Weights) -> list[Finding]:
+def _d2t_saved(w: _Weights) -> Iterator[Finding]:
     """A reduced draft vocabulary needs d2t; export derives it from t2d when saved."""
     if "d2t" not in w.expected or "d2t" in w.shapes:
-        return []
+        return
     derivable = w.shapes.get("t2d") is not None
-    return [
-        error(
-            "d2t",
-            f"the draft vocabulary ({w.config.get('draft_vocab_size')}) is smaller than the "
-            "target's, but d2t is missing: vLLM would map draft ids to the wrong target tokens.",
-            "Save d2t (offsets: target id = draft id + d2t[draft id])"
-            + (", derived from t2d." if derivable else "."),
-            mechanical=derivable,
-        )
-    ]
+    yield error(
+        "d2t",
+        f"the draft vocabulary ({w.config.get('draft_vocab_size')}) is smaller than the "
+        "target's, but d2t is missing: vLLM would map draft ids to the wrong target tokens.",
+        "Save d2t (offsets: target id = draft id + d2t[draft id])"
+        + (", derived from t2d." if derivable else "."),
+        mechanical=derivable,
+    )
 
 
-def _embed_tokens(w: _Weights) -> list[Finding]:
-    if "embed_tokens.weight" in w.shapes:
-        return []
-    return [
-        warning(
+def _embed_tokens(w: _Weights) -> Iterator[Finding]:
+    if "embed_tokens.weight" not in w.shapes:
+        yield warning(
             "embed-tokens",
             "embed_tokens is not saved; vLLM uses the target's embedding, so the "
             "mask token's embedding is the target's row, not a trained one.",
             "Save embed_tokens with the draft.",
         )
-    ]
 
 
-def _missing_weights(w: _Weights) -> list[Finding]:
+def _missing_weights(w: _Weights) -> Iterator[Finding]:
     missing = sorted(set(w.expected) - set(w.shapes) - _OWN_RULES)
     missing = [n for n in missing if n != _SKIPPED_BY_VLLM]
-    if not missing:
-        return []
-    return [
-        error(
+    if missing:
+        yield error(
             "missing-weights",
             f"weights {missing} are missing; vLLM would leave them uninitialised.",
             "Save the complete draft state dict.",
         )
-    ]
 
 
-def _verifier_only_weights(w: _Weights) -> list[Finding]:
+def _verifier_only_weights(w: _Weights) -> Iterator[Finding]:
     verifier_only = sorted(n for n in w.shapes if n in VERIFIER_ONLY)
-    if not verifier_only:
-        return []
-    return [
-        error(
+    if verifier_only:
+        yield error(
             "extra-weights",
             f"training-only weights {verifier_only} are saved; vLLM has no such "
             "parameters and refuses to load them.",
             "Drop them.",
             mechanical=True,
         )
-    ]
 
 
-def _foreign_weights(w: _Weights) -> list[Finding]:
+def _foreign_weights(w: _Weights) -> Iterator[Finding]:
     extra = sorted(set(w.shapes) - set(w.expected) - set(VERIFIER_ONLY) - {_SKIPPED_BY_VLLM})
-    if not extra:
-        return []
-    return [
-        error(
+    if extra:
+        yield error(
             "extra-weights",
             f"weights {extra} do not belong to this config's draft; vLLM refuses them.",
             "Save the weights of the draft the config describes.",
         )
-    ]
 
 
-def _shapes(w: _Weights) -> list[Finding]:
-    wrong = {
-        n: (s, w.expected[n]) for n, s in w.shapes.items() if n in w.expected and s != w.expected[n]
-    }
-    return [
-        error(
-            "shape",
-            f"weight {name} has shape {list(got)}, but the config implies {list(want)}.",
-            "Save the config that matches the weights.",
-        )
-        for name, (got, want) in sorted(wrong.items())
-    ]
+def _shapes(w: _Weights) -> Iterator[Finding]:
+    for name, got in sorted(w.shapes.items()):
+        want = w.expected.get(name)
+        if want is not None and got != want:
+            yield error(
+                "shape",
+                f"weight {name} has shape {list(got)}, but the config implies {list(want)}.",
+                "Save the config that matches the weights.",
+            )
 
 
-_RULES: tuple[Callable[[_Weights], list[Finding]], ...] = (
+_RULES: tuple[Callable[[_Weights], Iterable[Finding]], ...] = (
     _mask_hidden,
     _d2t_saved,
     _embed_tokens,
@@ -221,36 +193,31 @@ _RULES: tuple[Callable[[_Weights], list[Finding]], ...] = (
 )
 
 
-def _values(ckpt: DraftCheckpoint) -> list[Finding]:
+def _values(ckpt: DraftCheckpoint) -> Iterator[Finding]:
     """NaN/Inf in any float tensor, and a d2t that is not an ascending offset map.
 
     One pass over the tensors: both rules read values, and a checkpoint is read once.
     """
-    found, bad = [], []
+    bad = []
     vocab = ckpt.config["transformer_layer_config"].get("vocab_size")
     for name, tensor in ckpt.tensors():
         plain = name.removeprefix(PREFIX)
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad.append(plain)
         if plain == "d2t" and vocab is not None and not _is_offset_map(tensor, vocab):
-            found.append(
-                error(
-                    "d2t",
-                    f"d2t maps draft ids outside [0, {vocab}) or to repeated / "
-                    "unordered target ids; it must hold offsets, target id = draft "
-                    "id + d2t[draft id], ascending.",
-                    "Save d2t in speculators' offset format.",
-                )
+            yield error(
+                "d2t",
+                f"d2t maps draft ids outside [0, {vocab}) or to repeated / "
+                "unordered target ids; it must hold offsets, target id = draft "
+                "id + d2t[draft id], ascending.",
+                "Save d2t in speculators' offset format.",
             )
     if bad:
-        found.append(
-            error(
-                "non-finite",
-                f"weights {bad} contain NaN or Inf (never loaded, or training diverged).",
-                "Load the verifier's embeddings / lm_head before saving, or retrain.",
-            )
+        yield error(
+            "non-finite",
+            f"weights {bad} contain NaN or Inf (never loaded, or training diverged).",
+            "Load the verifier's embeddings / lm_head before saving, or retrain.",
         )
-    return found
 
 
 def _is_offset_map(d2t: torch.Tensor, vocab: int) -> bool:
