@@ -4,13 +4,13 @@ Importing the package only binds names; registration with speculators happens
 through the ``speculators.algorithms`` entry point.
 """
 
-from .core.config import CODConfig
 from .core.peagle_attention import (
     create_peagle_mask_mod,
     dense_peagle_mask,
     document_ids_from_lengths,
     lengths_from_document_ids,
 )
+from .core.peagle_config import CODConfig
 from .core.peagle_data import assign_cod_segments, generate_cod_sample_indices
 
 __all__ = [

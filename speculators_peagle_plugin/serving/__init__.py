@@ -1,5 +1,5 @@
 """Serving a draft: check a checkpoint against what vLLM loads, and export it.
 
-Modules: ``checkpoint`` (reading one), ``check_config`` / ``check_target`` /
+Modules: ``draft_checkpoint`` (reading one), ``check_config`` / ``check_target`` /
 ``check_weights`` (the rules), ``check`` (running them), ``export``.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import CODConfig, PEagleConfig
 from ..core.peagle_attention import lengths_from_document_ids
+from ..core.peagle_config import CODConfig, PEagleConfig
 from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels.fused_kl import LossConfig, fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
