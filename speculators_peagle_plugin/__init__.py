@@ -1,7 +1,8 @@
 """speculators-peagle-plugin: train P-EAGLE parallel-drafting drafts and prove them in vLLM.
 
 Importing the package only binds names; registration with speculators happens
-through the ``speculators.algorithms`` entry point.
+through the ``speculators.algorithms`` entry point. Every name of the seed contract, the
+private ones included, imports from :mod:`.seed_api`.
 """
 
 from .core.peagle_attention import (

@@ -34,13 +34,9 @@ from ..core.peagle_attention import document_ids_from_lengths
 from ..kernels.attention import PeagleMask, peagle_attention, resolve_attention_impl
 from ..kernels.fused_ops import _RMSNormFunction, apply_rotary
 
-__all__ = [
-    "PEagleDraftModel",
-    "_PeagleAttentionMixin",
-    "_PeagleDecoderLayerMixin",
-    "_PeagleDraftMixin",
-    "_PeagleVanillaLayerMixin",
-]
+# The seed contract's _Peagle*Mixin classes are re-exported by
+# speculators_peagle_plugin.seed_api, not listed here.
+__all__ = ["PEagleDraftModel"]
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

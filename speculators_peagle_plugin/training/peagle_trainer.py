@@ -20,7 +20,9 @@ from .batch import batch_document_ids, check_batch_shapes, row, supervised_eleme
 from .metrics import PEagleStepMetrics
 from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
 
-__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "PlanUnit", "_PeaglePlan", "_kl_div_loss"]
+# The seed contract's private names (_PeaglePlan, _kl_div_loss) are re-exported by
+# speculators_peagle_plugin.seed_api, not listed here.
+__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "PlanUnit"]
 
 
 def _kl_div_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
