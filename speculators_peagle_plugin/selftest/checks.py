@@ -20,7 +20,7 @@ import torch
 from ..core.peagle_config import CODConfig
 from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels import flex
-from ..kernels.attention import PeagleMask, peagle_attention
+from ..kernels.attention import PEagleMask, peagle_attention
 from .oracles import brute_force_mask, dense_reference_loss, masked_attention
 from .rows import packed_batch, random_cod_elements
 from .selftest_report import FAIL, PASS, Check, verdict
@@ -120,7 +120,7 @@ def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Chec
         leaves = [t.requires_grad_() for t in (q, k, v)]
         want = masked_attention(*leaves, allowed, hd**-0.5)
         wants = (want, *torch.autograd.grad(want, leaves, grad_out))
-        mask = PeagleMask(anchor.to(device), depth.to(device), doc.to(device), window, impl)
+        mask = PEagleMask(anchor.to(device), depth.to(device), doc.to(device), window, impl)
         ins = [t.detach().float().to(device).requires_grad_() for t in (q, k, v)]
         with _autocast(device, precision):
             out = peagle_attention(*ins, mask, hd**-0.5)
