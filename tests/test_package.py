@@ -145,6 +145,19 @@ def test_layers_import_only_downward():
     assert not wrong, wrong
 
 
+def test_every_subpackage_docstring_names_its_modules():
+    """Each subpackage has a docstring, and it names every module of the subpackage."""
+    package = Path(speculators_peagle_plugin.__file__).parent
+    unnamed = []
+    for init in package.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = {name for pair in re.findall(r"``(\w+)``|:mod:`\.(\w+)`", doc) for name in pair}
+        for module in init.parent.glob("*.py"):
+            if module.stem not in ("__init__", "__main__") and module.stem not in named:
+                unnamed.append(f"{init.parent.name}/{module.name}")
+    assert not unnamed, unnamed
+
+
 def test_entry_point_resolves_to_the_algorithm_object():
     (ep,) = [e for e in entry_points(group="speculators.algorithms") if e.name == "peagle"]
     algo = ep.load()
