@@ -52,7 +52,7 @@ from speculators_peagle_plugin.evaluation.report import provenance
 def parse_variant(tokens: list[str]) -> tuple[str, dict]:
     """``["hard50", "hard_label_weight=0.5"]`` -> ``("hard50", {"hard_label_weight": 0.5})``."""
     from speculators_peagle_plugin.common.settings import leaves
-    from speculators_peagle_plugin.training.config import TrainConfig
+    from speculators_peagle_plugin.training.train_config import TrainConfig
 
     name, overrides = tokens[0], {}
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
@@ -139,8 +139,8 @@ def demo_trained_it(demo: dict, overrides: dict, seed: int, steps: int | None) -
 
 def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: dict) -> dict:
     """One variant at one seed: train, held-out figures, served figures (``cell.json``)."""
-    from speculators_peagle_plugin.training.config import TrainConfig
     from speculators_peagle_plugin.training.heldout import heldout_metrics
+    from speculators_peagle_plugin.training.train_config import TrainConfig
 
     name, overrides = variant
     cell_dir = Path(args.out) / name / f"seed-{seed}"

@@ -32,7 +32,7 @@ SIDES = ("bare", "loop", "in-line")
 
 def _config(args, save_path: str):
     from speculators_peagle_plugin.options import load_config
-    from speculators_peagle_plugin.training.config import TrainConfig
+    from speculators_peagle_plugin.training.train_config import TrainConfig
 
     flags = dict(
         verifier_name_or_path=args.target, data_path=args.data, save_path=save_path,

@@ -13,7 +13,7 @@ import yaml
 from speculators_peagle_plugin.demo.artifacts import RunLayout
 from speculators_peagle_plugin.demo.stages import STATE_FILE
 from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
-from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

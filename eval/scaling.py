@@ -527,7 +527,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
 
     from speculators_peagle_plugin.demo.pipeline import _cpu_has_bfloat16
     from speculators_peagle_plugin.evaluation.report import provenance
-    from speculators_peagle_plugin.training.config import TrainConfig
+    from speculators_peagle_plugin.training.train_config import TrainConfig
 
     run_dir, out = Path(args.run_dir), Path(args.out).resolve()
     inputs = run_inputs(run_dir)

@@ -53,7 +53,7 @@ SPECULATORS_DRAFT = ("draft_init", "num_key_value_heads")
 
 def _train_config(spec: dict, side: str):
     from speculators_peagle_plugin.common.settings import leaves
-    from speculators_peagle_plugin.training.config import TrainConfig
+    from speculators_peagle_plugin.training.train_config import TrainConfig
 
     # One checkpoint, at the end: neither side pays for saves inside its loop.
     seed = {} if spec.get("seed") is None else {"seed": spec["seed"]}

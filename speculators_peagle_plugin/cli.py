@@ -9,20 +9,20 @@ from importlib.metadata import version
 
 import click
 
-from .datagen.build import generate_data as run_generation
-from .datagen.config import DataGenConfig
-from .demo.config import DemoConfig
+from .datagen.build_data import generate_data as run_generation
+from .datagen.datagen_config import DataGenConfig
+from .demo.demo_config import DemoConfig
 from .demo.pipeline import run_demo
-from .evaluation.config import EvalConfig
+from .evaluation.eval_config import EvalConfig
 from .evaluation.harness import evaluate
 from .options import config_command
 from .selftest.command import selftest
 from .serving.check import CheckConfig, check_checkpoint
 from .serving.export import ExportConfig, export_checkpoint
 from .training.algorithm import discover_algorithms
-from .training.config import TrainConfig
 from .training.loop import train as run_training
 from .training.progress import TrainingInterrupted
+from .training.train_config import TrainConfig
 
 __all__ = ["main"]
 

@@ -23,12 +23,12 @@ from transformers import AutoModelForCausalLM
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import open_training_data
 from speculators_peagle_plugin.data.layout import SETTINGS_FILE
-from speculators_peagle_plugin.datagen import build
+from speculators_peagle_plugin.datagen import build_data
 from speculators_peagle_plugin.datagen import generation as gen_mod
-from speculators_peagle_plugin.datagen.build import generate_replies
+from speculators_peagle_plugin.datagen.build_data import generate_replies
 from speculators_peagle_plugin.datagen.capture import capture_hidden_states
 from speculators_peagle_plugin.datagen.capture_vllm import CAPTURE_LOG_FILE, STAGING_DIR
-from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.datagen.generation import Target
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def generated(tmp_path_factory, target):
     rows = [{"prompt": p} for p in [*PROMPTS[:5], PROMPTS[0]]]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.MonkeyPatch.context() as patch:  # vLLM must capture: no fallback
-        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        patch.setattr(build_data, "write_hidden_states", no_transformers_capture)
         patch.setattr(Target, "generate", recording_events(Target.generate))
         result = CliRunner().invoke(main, vllm_gen_args(target, prompts, root / "data"))
     assert result.exit_code == 0, result.output
@@ -152,7 +152,7 @@ def test_vllm_float8_capture_in_hs_connectors_format(generated, reference, tmp_p
     args = vllm_gen_args(settings["target"], "unused", data, "--hidden-states-dtype", "float8")
     args[args.index("--prompts") + 1] = settings["prompts"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "write_hidden_states", no_transformers_capture)
+        patch.setattr(build_data, "write_hidden_states", no_transformers_capture)
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     training = open_training_data(data, num_aux_layers=len(LAYER_IDS))

@@ -8,11 +8,11 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.common.settings import leaves
-from speculators_peagle_plugin.datagen.config import DataGenConfig
-from speculators_peagle_plugin.demo.config import DemoConfig
-from speculators_peagle_plugin.evaluation.config import EvalConfig
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
+from speculators_peagle_plugin.demo.demo_config import DemoConfig
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
 from speculators_peagle_plugin.options import load_config
-from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REQUIRED = "verifier_name_or_path: /m\ndata_path: /d\n"
 

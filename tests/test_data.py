@@ -37,9 +37,9 @@ from speculators_peagle_plugin.common.files import TMP_MARK
 from speculators_peagle_plugin.data import open_training_data
 from speculators_peagle_plugin.datagen import capture as capture_mod
 from speculators_peagle_plugin.datagen import generation as gen_mod
-from speculators_peagle_plugin.datagen.build import generate_data
+from speculators_peagle_plugin.datagen.build_data import generate_data
 from speculators_peagle_plugin.datagen.capture import capture_hidden_states
-from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.datagen.generation import completion_tokens
 
 

@@ -16,7 +16,7 @@ from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import load_prompts
 from speculators_peagle_plugin.data.prompts import load_prompt_set, resolved_spec
 from speculators_peagle_plugin.datagen import generation as gen_mod
-from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 
 
 @pytest.fixture(scope="module")

@@ -99,8 +99,8 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
     n = anchor.shape[0]
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h in (4, 2, 2))
-    flex_mask = attention.PeagleMask(anchor, depth, doc, 5, "flex")
-    chunked_mask = attention.PeagleMask(anchor, depth, doc, 5, "chunked")
+    flex_mask = attention.PEagleMask(anchor, depth, doc, 5, "flex")
+    chunked_mask = attention.PEagleMask(anchor, depth, doc, 5, "chunked")
     with caplog.at_level(logging.WARNING):
         first = attention.peagle_attention(q, k, v, flex_mask, 0.25)
         second = attention.peagle_attention(q, k, v, flex_mask, 0.25)
@@ -154,7 +154,7 @@ def test_block_sparse_attention_matches_dense_float64(
     if band_kernel == "matmul":
         monkeypatch.setattr(block_sparse, "_cpu_flash", lambda t: False)
     anchor, depth, doc = random_cod_elements(seed, drop_context=seed % 2 == 1)
-    mask = attention.PeagleMask(anchor, depth, doc, window, "chunked")
+    mask = attention.PEagleMask(anchor, depth, doc, window, "chunked")
     n = anchor.shape[0]
     idx = torch.arange(n)
     allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
@@ -257,7 +257,7 @@ def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
 
 def test_block_sparse_attention_skips_padding_and_empty_rows():
     anchor, depth, doc = random_cod_elements(5, drop_context=True)
-    mask = attention.PeagleMask(anchor, depth, doc, None, "chunked")
+    mask = attention.PEagleMask(anchor, depth, doc, None, "chunked")
     idx = torch.arange(anchor.shape[0])
     sees = mask.mask_mod(None, None, idx[:, None], idx[None, :]).any(-1)
     rows = torch.cat([c.rows for c in mask.chunks])
@@ -269,7 +269,7 @@ def test_block_sparse_attention_skips_padding_and_empty_rows():
 def test_under_autocast_cpu_attention_runs_forward_bfloat16_backward_float32(seed):
     """The forward as autocast's SDPA would compute it (bfloat16); float32 gradients."""
     anchor, depth, doc = random_cod_elements(5 + seed)
-    mask = attention.PeagleMask(anchor, depth, doc, None, "chunked")
+    mask = attention.PEagleMask(anchor, depth, doc, None, "chunked")
     n = anchor.shape[0]
     idx = torch.arange(n)
     allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
@@ -324,7 +324,7 @@ def test_block_sparse_matmul_band_runs_bfloat16_inputs(monkeypatch, seed):
     monkeypatch.setattr(block_sparse, "CHUNK_ANCHORS", 8)
     monkeypatch.setattr(block_sparse, "_cpu_flash", lambda t: False)
     anchor, depth, doc = random_cod_elements(7 + seed)
-    mask = attention.PeagleMask(anchor, depth, doc, 3 + seed, "chunked")
+    mask = attention.PEagleMask(anchor, depth, doc, 3 + seed, "chunked")
     n = anchor.shape[0]
     idx = torch.arange(n)
     allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])

@@ -20,8 +20,8 @@ from tiny_vllm import tiny_vllm_draft
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data.layout import VLLM_LOG_FILE
-from speculators_peagle_plugin.datagen.build import generate_data
-from speculators_peagle_plugin.datagen.config import DataGenConfig
+from speculators_peagle_plugin.datagen.build_data import generate_data
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.engine import engine_start, vllm_client
 from speculators_peagle_plugin.engine.engine_start import (
     check_parallel_size,

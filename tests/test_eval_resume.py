@@ -16,7 +16,7 @@ from speculators_peagle_plugin.demo import pipeline as demo
 from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 from speculators_peagle_plugin.evaluation import harness, report
 from speculators_peagle_plugin.evaluation.cells import CELLS_FILE
-from speculators_peagle_plugin.evaluation.config import EvalConfig
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
 
 SETS = ("chat[:2]", "chat[2:5]")  # 2 and 3 prompts
 

@@ -10,7 +10,7 @@ import pytest
 from speculators_peagle_plugin.data.prompts import load_prompt_set
 from speculators_peagle_plugin.engine.counters import SpecDecodeCounters
 from speculators_peagle_plugin.engine.inflight import drive
-from speculators_peagle_plugin.evaluation.config import CPU_KV_CACHE_GB, EvalConfig
+from speculators_peagle_plugin.evaluation.eval_config import CPU_KV_CACHE_GB, EvalConfig
 from speculators_peagle_plugin.evaluation.harness import per_category
 from speculators_peagle_plugin.evaluation.plots import write_plots
 from speculators_peagle_plugin.evaluation.recommend import format_recommendation, recommend

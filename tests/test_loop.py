@@ -147,7 +147,7 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
 LEAVES_ITS_GROUP = """
 import json, os, sys
 import torch.distributed as dist
-from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.train_config import TrainConfig
 from speculators_peagle_plugin.training.loop import train
 
 config = TrainConfig.from_sources(**json.loads(sys.argv[1]))

@@ -19,8 +19,8 @@ from helpers.training import DRAFT_VOCAB, config_for, reference_step, run_cli, t
 from safetensors.torch import load_file
 from tiny import tiny_workdir
 
-from speculators_peagle_plugin.datagen import build as build_mod
-from speculators_peagle_plugin.datagen.online import CACHE_DIR, CACHE_KEY_FILE
+from speculators_peagle_plugin.datagen import build_data
+from speculators_peagle_plugin.datagen.online_states import CACHE_DIR, CACHE_KEY_FILE
 from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.online import REPLIES_DIR
@@ -209,7 +209,7 @@ def test_online_from_prompts_writes_no_hidden_states_and_generates_the_replies_o
     def no_generation(*a, **k):
         raise AssertionError("the replies were generated again")
 
-    monkeypatch.setattr(build_mod, "generate_responses", no_generation)
+    monkeypatch.setattr(build_data, "generate_responses", no_generation)
     args[args.index("--max-steps") + 1] = "3"
     code, out = run_cli(args)
     assert code == 0, out

@@ -1,5 +1,6 @@
 """Package surface: top-level seed API, the entry point, the console script."""
 
+import ast
 import importlib
 import inspect
 import re
@@ -90,6 +91,42 @@ def test_seed_functions_import_from_the_top_level():
         )
 
 
+def test_seed_api_re_exports_every_seed_name_from_its_owner(monkeypatch):
+    from speculators_peagle_plugin import seed_api
+    from speculators_peagle_plugin.kernels import flex
+
+    pairs = {
+        (f"speculators_peagle_plugin.{owner}", name)
+        for names in seed_api.SEED_NAMES.values()
+        for name, owner in names.items()
+    }
+    # the same names (a method's class), in the same modules, as SEED_API above
+    assert pairs == {
+        (module, name.split(".")[0]) for module, names in SEED_API.items() for name in names
+    }
+    for module, name in pairs:
+        assert getattr(seed_api, name) is getattr(importlib.import_module(module), name), name
+    assert {name for _, name in pairs} <= set(dir(seed_api))
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compile_failed", True)
+    assert seed_api._peagle_flex_attention_compile_failed is True  # the flag's current value
+    with pytest.raises(AttributeError):
+        seed_api.not_a_seed_name  # noqa: B018
+
+
+def test_all_lists_public_names_only():
+    """A private name the seeds list is re-exported by ``seed_api``, not by an ``__all__``."""
+    package = Path(speculators_peagle_plugin.__file__).parent
+    private = []
+    for path in package.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                names = ast.literal_eval(node.value)
+                private += [f"{path.relative_to(package)}: {n}" for n in names if n.startswith("_")]
+    assert not private, private
+
+
 def test_layers_import_only_downward():
     """A module of a layer imports only from the layers below it (docs/api.md)."""
     level = {"common": 0, "core": 1, "kernels": 2, "model": 3, "engine": 4, "serving": 4,
@@ -100,12 +137,25 @@ def test_layers_import_only_downward():
     for path in package.rglob("*.py"):
         layer = path.relative_to(package).parts[0]
         if layer not in level:
-            continue  # cli.py, plugin.py, __init__.py sit on top
+            continue  # cli.py, plugin.py, seed_api.py, __init__.py sit on top
         text = path.read_text()
         for used in re.findall(r"from (?:\.\.|speculators_peagle_plugin\.)(\w+)", text):
             if used in ("cli", "plugin") or (used != layer and level.get(used, -1) >= level[layer]):
                 wrong.append(f"{path.relative_to(package)} imports {used}")
     assert not wrong, wrong
+
+
+def test_every_subpackage_docstring_names_its_modules():
+    """Each subpackage has a docstring, and it names every module of the subpackage."""
+    package = Path(speculators_peagle_plugin.__file__).parent
+    unnamed = []
+    for init in package.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = {name for pair in re.findall(r"``(\w+)``|:mod:`\.(\w+)`", doc) for name in pair}
+        for module in init.parent.glob("*.py"):
+            if module.stem not in ("__init__", "__main__") and module.stem not in named:
+                unnamed.append(f"{init.parent.name}/{module.name}")
+    assert not unnamed, unnamed
 
 
 def test_entry_point_resolves_to_the_algorithm_object():

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.common.files import atomic_write
-from speculators_peagle_plugin.datagen import build, capture_vllm
+from speculators_peagle_plugin.datagen import build_data, capture_vllm
 from speculators_peagle_plugin.datagen.capture import capture_hidden_states, pending_rows
 from speculators_peagle_plugin.datagen.capture_vllm import RECORDED_DIR
 from speculators_peagle_plugin.datagen.generation import Target
@@ -75,9 +75,11 @@ def recorded(tmp_path_factory, target):
         "--draft-vocab-size", "64", "--kv-cache-gb", "1",
     ]  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "write_hidden_states", no_transformers_capture)
-        patch.setattr(build, "write_hidden_states_vllm", nothing_left)
-        patch.setattr(build, "place_recorded", noting_cached_prefixes(build.place_recorded))
+        patch.setattr(build_data, "write_hidden_states", no_transformers_capture)
+        patch.setattr(build_data, "write_hidden_states_vllm", nothing_left)
+        patch.setattr(
+            build_data, "place_recorded", noting_cached_prefixes(build_data.place_recorded)
+        )
         patch.setattr(capture_vllm, "atomic_write", noting_recordings_left(root / "data"))
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -203,7 +205,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
             error = {"error": "no layers to hook"} if job.extension else None
             return {"extension": error}
 
-    from speculators_peagle_plugin.datagen.config import DataGenConfig
+    from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")

@@ -13,8 +13,8 @@ from speculators.train.config.schema import TrainConfig as SpeculatorsConfig
 
 from speculators_peagle_plugin.common.settings import leaves
 from speculators_peagle_plugin.training import speculators_keys
-from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.progress import METRICS_FILE
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

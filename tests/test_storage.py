@@ -140,12 +140,12 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_estimate(
 def test_falls_back_to_transformers_with_one_log_line(
     target_dir, prompts_path, tmp_path, monkeypatch, caplog
 ):
-    from speculators_peagle_plugin.datagen import build
+    from speculators_peagle_plugin.datagen import build_data
 
     def cannot(*args):
         raise RuntimeError("vLLM could not run the job: NotImplementedError: no such backend")
 
-    monkeypatch.setattr(build, "write_hidden_states_vllm", cannot)
+    monkeypatch.setattr(build_data, "write_hidden_states_vllm", cannot)
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING):
         result = CliRunner().invoke(

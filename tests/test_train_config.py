@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators_peagle_plugin.core.config import CODConfig
+from speculators_peagle_plugin.core.peagle_config import CODConfig
 from speculators_peagle_plugin.options import load_config
-from speculators_peagle_plugin.training.config import TrainConfig
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 REQUIRED = {"verifier_name_or_path": "/m", "data_path": "/d"}

@@ -102,7 +102,7 @@ def test_the_installed_commands_run(fresh_env):
 def test_the_installed_package_finds_its_data_files(fresh_env):
     code = (
         f"from {PACKAGE}.data.prompts import load_prompt_set\n"
-        f"from {PACKAGE}.demo.config import DemoConfig\n"
+        f"from {PACKAGE}.demo.demo_config import DemoConfig\n"
         "print(len(load_prompt_set('chat')), DemoConfig().train_config)"
     )
     count, yaml_path = run_in(fresh_env, "python", "-c", code).split()

@@ -92,8 +92,8 @@ def tiny_workdir(root, draft_vocab_size=40):
     of its own sampled replies to random prompts, in speculators' format. Returns ``root``."""
     import json
 
-    from speculators_peagle_plugin.datagen.build import generate_data
-    from speculators_peagle_plugin.datagen.config import DataGenConfig
+    from speculators_peagle_plugin.datagen.build_data import generate_data
+    from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 
     target = tiny_target(root / "target")
     tiny_tokenizer().save_pretrained(target)

@@ -1,5 +1,8 @@
 """The P-EAGLE algorithm itself: COD sampling, segments, the visibility rule, its knobs.
 
+Modules: ``peagle_data`` (COD sampling, segment assignment), ``peagle_attention`` (the
+visibility rule and its ``mask_mod``), ``peagle_config`` (the ``peagle`` section).
+
 Shape letters, the same in every module of the package (a module's own local letters are
 listed in its docstring):
 

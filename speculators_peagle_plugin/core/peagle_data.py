@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..common.settings import check_int_at_least
-from .config import CODConfig
+from .peagle_config import CODConfig
 
 __all__ = ["assign_cod_segments", "generate_cod_sample_indices"]
 

@@ -82,7 +82,7 @@ def _checked_arrow_dataset_class():
         def _get_raw_data(self, index: int) -> dict:
             file_idx = self._map_to_file_idx(index)
             hs_dir = getattr(self.transfer, "hidden_states_path", None)
-            if hs_dir is None:  # online: the target computes them (datagen/online.py)
+            if hs_dir is None:  # online: the target computes them (datagen/online_states.py)
                 loaded = self.transfer.get_cached(file_idx)
                 what = f"The target's hidden-state sample of row {file_idx}"
             else:

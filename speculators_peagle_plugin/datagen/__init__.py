@@ -1,10 +1,10 @@
 """Making training data: the target's replies, their hidden states, ``generate-data``.
 
-Modules: ``config`` (``DataGenConfig``), ``generation`` (the target's replies, transformers or
-vLLM), ``capture`` (hidden states with transformers), ``capture_vllm`` (with vLLM: placing the
-replies' engine's recordings, or a prefill pass), ``vllm_recorder`` (the worker extension that
-records while vLLM generates) and ``vllm_connector`` (the KV connector of the prefill pass),
-both loaded by vLLM in its worker, ``build`` (``generate_data``), ``online`` (states the
-target computes as training reads the rows). Nothing is imported here: importing a
-generator is the caller's choice.
+Modules: ``datagen_config`` (``DataGenConfig``), ``generation`` (the target's replies,
+transformers or vLLM), ``capture`` (hidden states with transformers), ``capture_vllm`` (with
+vLLM: placing the replies' engine's recordings, or a prefill pass), ``vllm_recorder`` (the
+worker extension that records while vLLM generates) and ``vllm_connector`` (the KV connector
+of the prefill pass), both loaded by vLLM in its worker, ``build_data`` (``generate_data``),
+``online_states`` (states the target computes as training reads the rows). Nothing is
+imported here: importing a generator is the caller's choice.
 """

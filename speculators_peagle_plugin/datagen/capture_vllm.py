@@ -27,7 +27,7 @@ from ..data.layout import HIDDEN_STATES_DIR, hs_path
 from ..data.storage import STORAGE_DTYPE_KEY, stored_tensors
 from ..engine.vllm_client import VllmJob, VllmWorker
 from .capture import log_capture, pending_rows, save_safetensors
-from .config import VLLM_BATCHES_PER_SHARD, DataGenConfig
+from .datagen_config import VLLM_BATCHES_PER_SHARD, DataGenConfig
 from .vllm_recorder import FIRST_COMPUTED_KEY
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from ..data.prompts import render_conversation
 from ..engine.engine_start import check_parallel_size
 from ..engine.vllm_client import VllmJob, VllmWorker
 from ..model.target import eos_token_ids, load_target_model
-from .config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
+from .datagen_config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
 from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..data.prompts import render_conversation
 from ..training.checkpoint import checkpoint_dirs
-from ..training.config import TrainConfig
+from ..training.train_config import TrainConfig
 from ..training.validation import BEST_DIR
 from .artifacts import (
     RunLayout,
@@ -49,7 +49,7 @@ from .artifacts import (
     save_untrained_draft,
     write_prompts,
 )
-from .config import DemoConfig, quick_config
+from .demo_config import DemoConfig, quick_config
 from .smollm2 import materialise_smollm2
 from .stages import STATE_FILE, Stages
 from .summary import BUDGET_S, SUMMARY_FILE, acceptance_by_set, summarise

@@ -10,7 +10,7 @@ from ..common.files import atomic_write_text
 from ..evaluation.recommend import format_recommendation
 from ..evaluation.report import format_table
 from .artifacts import RunLayout
-from .config import DemoConfig
+from .demo_config import DemoConfig
 from .stages import Stages
 
 __all__ = ["BUDGET_S", "SUMMARY_FILE", "acceptance_by_set", "summarise"]

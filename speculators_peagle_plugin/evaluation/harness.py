@@ -38,7 +38,7 @@ from ..engine.vllm_client import VllmJob, VllmWorker
 from ..serving.check import check_checkpoint
 from .card import update_model_cards
 from .cells import CELLS_FILE, FinishedCells, cell_key, merge_pieces, resume_units
-from .config import EvalConfig
+from .eval_config import EvalConfig
 from .report import cell_tag, finish_record, progress_callback, run_entry, start_record
 from .server import probe_servers, run_servers
 

@@ -255,7 +255,7 @@ def start_record(config, argv, checks: dict[str, list[dict]], tokenizer, prompt_
     """The record's header: provenance, the config, and hashes of every input.
 
     Args:
-        config: the :class:`~.config.EvalConfig`; argv: the command line (default: this
+        config: the :class:`~.eval_config.EvalConfig`; argv: the command line (default: this
             process's).
         checks: each draft's check findings (as dicts).
         tokenizer: the target's; prompt_sets: the loaded prompt sets.

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..engine.counters import SpecDecodeCounters
-from .config import SweepConfig
+from .eval_config import SweepConfig
 from .report import cell_tag, progress_callback, run_entry
 
 __all__ = ["Server", "ServerError", "probe_server", "probe_servers", "run_server_cell",

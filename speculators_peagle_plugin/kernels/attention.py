@@ -3,7 +3,7 @@
 Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the flat
 sequence, ``L`` tokens of the row, ``nh`` / ``nkv`` query / key-value heads, ``hd`` head dim.
 
-:class:`PeagleMask` holds one sequence's mask in the form each path needs (a flex
+:class:`PEagleMask` holds one sequence's mask in the form each path needs (a flex
 ``BlockMask`` from :mod:`.flex`, or the query chunks of :mod:`.block_sparse`), built on
 first use; :func:`peagle_attention` picks the path.
 """
@@ -35,7 +35,7 @@ def resolve_attention_impl(impl: str, device: torch.device) -> str:
 
 
 @dataclass
-class PeagleMask:
+class PEagleMask:
     """The P-EAGLE mask of one flat COD sequence, in whichever form the path needs.
 
     Args:
@@ -84,12 +84,12 @@ class PeagleMask:
         return self._cache["chunks"]
 
 
-def _chunked_attention(q, k, v, mask: PeagleMask, scale, forward_dtype=None) -> torch.Tensor:
+def _chunked_attention(q, k, v, mask: PEagleMask, scale, forward_dtype=None) -> torch.Tensor:
     """Exact masked attention over ``mask``'s chunks (see :class:`_BlockSparseAttention`)."""
     return _BlockSparseAttention.apply(q, k, v, mask.chunks, scale, forward_dtype)
 
 
-def peagle_attention(q, k, v, mask: PeagleMask, scale: float) -> torch.Tensor:
+def peagle_attention(q, k, v, mask: PEagleMask, scale: float) -> torch.Tensor:
     """Attention of ``q [1, nh, N, hd]`` over ``k, v [1, nkv, N, hd]`` under ``mask``.
 
     Under ``torch.autocast`` the kernels run with autocast off (it would lower every

@@ -31,16 +31,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..core.peagle_attention import document_ids_from_lengths
-from ..kernels.attention import PeagleMask, peagle_attention, resolve_attention_impl
+from ..kernels.attention import PEagleMask, peagle_attention, resolve_attention_impl
 from ..kernels.fused_ops import _RMSNormFunction, apply_rotary
 
-__all__ = [
-    "PEagleDraftModel",
-    "_PeagleAttentionMixin",
-    "_PeagleDecoderLayerMixin",
-    "_PeagleDraftMixin",
-    "_PeagleVanillaLayerMixin",
-]
+# The seed contract's _Peagle*Mixin classes are re-exported by
+# speculators_peagle_plugin.seed_api, not listed here.
+__all__ = ["PEagleDraftModel"]
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +77,7 @@ class _PeagleAttentionMixin:
         self,
         combined_states: torch.Tensor,
         position_ids: torch.Tensor,
-        block_mask: PeagleMask,
+        block_mask: PEagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         output_rows: torch.Tensor | None = None,
@@ -95,7 +91,7 @@ class _PeagleAttentionMixin:
             position_ids: ``[1, N]`` reference positions ``anchor_pos + depth``; they
                 enter through ``position_embeddings`` (RoPE cos/sin of these
                 positions, computed once per forward by the draft).
-            block_mask: the COD visibility (:class:`PeagleMask`).
+            block_mask: the COD visibility (:class:`PEagleMask`).
             output_rows: ``[R]`` rows whose output is wanted (None: all); ``o_proj`` runs
                 on those only.
 
@@ -126,7 +122,7 @@ class _PeagleDecoderLayerMixin:
         input_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
-        block_mask: PeagleMask,
+        block_mask: PEagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         output_rows: torch.Tensor | None = None,
@@ -163,7 +159,7 @@ class _PeagleVanillaLayerMixin:
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
-        block_mask: PeagleMask,
+        block_mask: PEagleMask,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         output_rows: torch.Tensor | None = None,
@@ -216,20 +212,20 @@ class _PeagleDraftMixin:
         depth: torch.Tensor,
         lengths: torch.Tensor,
         total_seq_len: int,
-    ) -> list[PeagleMask]:
+    ) -> list[PEagleMask]:
         """The COD mask of one sequence, one entry per draft layer.
 
-        Layers share one :class:`PeagleMask` per attention type (speculators'
+        Layers share one :class:`PEagleMask` per attention type (speculators'
         ``layer_types``: full, or sliding with ``config.sliding_window``).
         """
         impl = resolve_attention_impl(self.attention_impl, anchor_pos.device)
         doc = document_ids_from_lengths(lengths.to(anchor_pos.device), total_seq_len)
-        by_window: dict[int | None, PeagleMask] = {}
+        by_window: dict[int | None, PEagleMask] = {}
         masks = []
         for i in range(len(self.layers)):
             window = self.sliding_window if i in self.sliding_window_indices else None
             if window not in by_window:
-                by_window[window] = PeagleMask(anchor_pos, depth, doc, window, impl)
+                by_window[window] = PEagleMask(anchor_pos, depth, doc, window, impl)
             masks.append(by_window[window])
         return masks
 
@@ -245,7 +241,7 @@ class _PeagleDraftMixin:
         sampled_input_ids: torch.Tensor,
         sampled_projected_hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        block_mask: list[PeagleMask],
+        block_mask: list[PEagleMask],
         mask_slots: int = 0,
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -303,27 +299,27 @@ class _PeagleDraftMixin:
         return self.lm_head(self.lm_head_inputs(hidden))
 
 
-class PeagleLlamaAttention(_PeagleAttentionMixin, LlamaAttention):
+class PEagleLlamaAttention(_PeagleAttentionMixin, LlamaAttention):
     pass
 
 
-class PeagleQwen3Attention(_PeagleAttentionMixin, Qwen3Attention):
+class PEagleQwen3Attention(_PeagleAttentionMixin, Qwen3Attention):
     pass
 
 
-class PeagleLlamaFirstLayer(_PeagleDecoderLayerMixin, LlamaDecoderEagle3FirstLayer):
+class PEagleLlamaFirstLayer(_PeagleDecoderLayerMixin, LlamaDecoderEagle3FirstLayer):
     pass
 
 
-class PeagleQwen3FirstLayer(_PeagleDecoderLayerMixin, Qwen3DecoderEagle3FirstLayer):
+class PEagleQwen3FirstLayer(_PeagleDecoderLayerMixin, Qwen3DecoderEagle3FirstLayer):
     pass
 
 
-class PeagleLlamaLayer(_PeagleVanillaLayerMixin, LlamaDecoderLayer):
+class PEagleLlamaLayer(_PeagleVanillaLayerMixin, LlamaDecoderLayer):
     pass
 
 
-class PeagleQwen3Layer(_PeagleVanillaLayerMixin, Qwen3DecoderLayer):
+class PEagleQwen3Layer(_PeagleVanillaLayerMixin, Qwen3DecoderLayer):
     pass
 
 
@@ -331,12 +327,12 @@ class PeagleQwen3Layer(_PeagleVanillaLayerMixin, Qwen3DecoderLayer):
 # methods only (no state), so re-typing the built modules keeps their weights,
 # initialisation and state-dict keys exactly as speculators makes them.
 _PEAGLE_CLASS_FOR = {
-    LlamaAttention: PeagleLlamaAttention,
-    Qwen3Attention: PeagleQwen3Attention,
-    LlamaDecoderEagle3FirstLayer: PeagleLlamaFirstLayer,
-    Qwen3DecoderEagle3FirstLayer: PeagleQwen3FirstLayer,
-    LlamaDecoderLayer: PeagleLlamaLayer,
-    Qwen3DecoderLayer: PeagleQwen3Layer,
+    LlamaAttention: PEagleLlamaAttention,
+    Qwen3Attention: PEagleQwen3Attention,
+    LlamaDecoderEagle3FirstLayer: PEagleLlamaFirstLayer,
+    Qwen3DecoderEagle3FirstLayer: PEagleQwen3FirstLayer,
+    LlamaDecoderLayer: PEagleLlamaLayer,
+    Qwen3DecoderLayer: PEagleQwen3Layer,
 }
 
 

@@ -5,7 +5,8 @@ Shapes: ``N`` COD elements of a row, ``L`` tokens, ``nh`` / ``nkv`` heads, ``hd`
 Every check draws random ragged rows (several packed documents, padding, random
 supervision) over several seeds, runs the product on the device (float32, then under
 bfloat16 autocast), and compares with a float64 oracle computed on the CPU from the same
-inputs. Errors are relative to the reference's largest entry (:func:`.report.relative_error`).
+inputs. Errors are relative to the reference's largest entry
+(:func:`.selftest_report.relative_error`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from contextlib import nullcontext
 
 import torch
 
-from ..core.config import CODConfig
+from ..core.peagle_config import CODConfig
 from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels import flex
-from ..kernels.attention import PeagleMask, peagle_attention
+from ..kernels.attention import PEagleMask, peagle_attention
 from .oracles import brute_force_mask, dense_reference_loss, masked_attention
-from .report import FAIL, PASS, Check, verdict
-from .report import relative_error as _error
 from .rows import packed_batch, random_cod_elements
+from .selftest_report import FAIL, PASS, Check, verdict
+from .selftest_report import relative_error as _error
 from .shapes import NARROW_WINDOW, Shape, build_draft, trainer_for
 
 # Tolerances, relative to the reference's largest entry. float32: rounding of float32
@@ -119,7 +120,7 @@ def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Chec
         leaves = [t.requires_grad_() for t in (q, k, v)]
         want = masked_attention(*leaves, allowed, hd**-0.5)
         wants = (want, *torch.autograd.grad(want, leaves, grad_out))
-        mask = PeagleMask(anchor.to(device), depth.to(device), doc.to(device), window, impl)
+        mask = PEagleMask(anchor.to(device), depth.to(device), doc.to(device), window, impl)
         ins = [t.detach().float().to(device).requires_grad_() for t in (q, k, v)]
         with _autocast(device, precision):
             out = peagle_attention(*ins, mask, hd**-0.5)

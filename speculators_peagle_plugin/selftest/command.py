@@ -14,7 +14,7 @@ import click
 import torch
 
 from ..common.devices import checked_device
-from .report import FAIL, PASS, SKIP, Check, as_dicts, stack, stack_lines, write_record
+from .selftest_report import FAIL, PASS, SKIP, Check, as_dicts, stack, stack_lines, write_record
 from .shapes import SHAPES
 
 # Row lengths of the speed comparison when --seq-lens is not given.
@@ -136,7 +136,7 @@ def ratio_lines(results: dict[str, dict]) -> list[str]:
 def run_selftest(options: Options, echo=click.echo) -> dict:
     """Every check on ``options.device``; returns the record (``passed``: no FAIL)."""
     from .checks import attention_checks, flex_compile_check, step_checks
-    from .distributed import distributed_checks
+    from .distributed_checks import distributed_checks
 
     info = stack(options.device)
     for line in stack_lines(info):

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from ..core.config import CODConfig
+from ..core.peagle_config import CODConfig
 from ..kernels import flex
 from ..model.build import DEFAULT_SLIDING_WINDOW
 from .shapes import SHAPES, build_draft, speculators_twin, trainer_for
@@ -67,9 +67,9 @@ def make_row(shape, seq_len: int, device: torch.device, dtype: torch.dtype) -> d
 
 def _ours(shape, device: torch.device, autocast: str):
     """Our step: ``step(batch, index) -> loss`` (the module re-planned per row length)."""
-    from ..training.config import TrainConfig
     from ..training.distributed import StepModule, World, wrap
     from ..training.step import gradient_norm, train_step
+    from ..training.train_config import TrainConfig
 
     draft = build_draft(shape, device, seed=0, window=DEFAULT_SLIDING_WINDOW)
     module = trainer_for(draft)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.config import CODConfig
+from ..core.peagle_config import CODConfig
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 
 # The narrow draft of the correctness checks: a window shorter than its rows, so the

@@ -29,7 +29,7 @@ from ..common.settings import Settings, setting
 from .check_config import CONFIG_GATES, CONFIG_RULES, LAYER_TYPES, CheckedDraft, Rule
 from .check_target import check_target
 from .check_weights import check_weights
-from .checkpoint import (
+from .draft_checkpoint import (
     CPU_HEAD_DIMS,
     DraftCheckpoint,
     Finding,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import (
+from .draft_checkpoint import (
     CPU_HEAD_DIMS,
     DEFAULT_AUX_LAYERS,
     DraftCheckpoint,

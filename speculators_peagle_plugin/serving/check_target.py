@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..model.mask_token import mask_token_problem
-from .checkpoint import (
+from .draft_checkpoint import (
     CPU_HEAD_DIMS,
     Finding,
     error,

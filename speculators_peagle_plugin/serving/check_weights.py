@@ -16,7 +16,7 @@ import torch
 
 from ..common.reading import first_line
 from ..model.peagle_draft import PEagleDraftModel
-from .checkpoint import (
+from .draft_checkpoint import (
     PREFIX,
     VERIFIER_ONLY,
     DraftCheckpoint,

@@ -24,7 +24,7 @@ from ..common.files import atomic_directory
 from ..common.reading import read_json
 from ..common.settings import setting
 from .check import ServedDraft, run_rules
-from .checkpoint import (
+from .draft_checkpoint import (
     DEFAULT_AUX_LAYERS,
     PREFIX,
     VERIFIER_ONLY,

@@ -28,7 +28,7 @@ import yaml
 
 from ..common.files import atomic_write_text
 from ..common.reading import read_json
-from .checkpoint import DraftCheckpoint, Finding, declared_k, warning
+from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, warning
 
 __all__ = [
     "CARD_FILE",

@@ -1,9 +1,11 @@
-"""Training a draft: the config (:mod:`.config`, composed of sections owned by the modules
+"""Training a draft: the config (:mod:`.train_config`, composed of sections owned by the modules
 that use them), the P-EAGLE trainer module, one step, checkpoints, the loop.
 
-Modules: ``config``, ``peagle_trainer`` (seed API), ``batch`` / ``plan`` / ``metrics`` (its
+Modules: ``train_config``, ``peagle_trainer`` (seed API), ``batch`` / ``plan`` / ``metrics`` (its
 parts), ``algorithm`` (entry points), ``optim`` (optimizer and scheduler sections),
 ``distributed`` (ranks, wrappers; the ``runtime`` section), ``step``, ``checkpoint`` (the
 ``trainer`` section), ``progress`` (the ``logging`` section), ``online`` (the ``online``
-section), ``validation`` / ``heldout`` (held-out scoring), ``prefetch``, ``loop``.
+section), ``validation`` / ``heldout`` (held-out scoring), ``prefetch``, ``loop``,
+``pretrained`` (starting from a trained draft), ``speculators_keys`` (speculators' ``train``
+YAML), ``trackers`` (metric trackers).
 """

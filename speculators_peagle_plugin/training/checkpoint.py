@@ -28,7 +28,7 @@ from .distributed import World, sharded
 from .online import online_data_path
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .train_config import TrainConfig
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "training_state.pt"

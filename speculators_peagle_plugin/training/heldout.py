@@ -16,9 +16,9 @@ import torch
 from ..data import PackedBatches, open_training_data
 from ..engine.reference import load_reference_draft
 from .algorithm import load_algorithm
-from .config import TrainConfig
 from .metrics import acceptance_length, depth_accuracy
 from .step import autocast_context, cod_generator, to_device
+from .train_config import TrainConfig
 
 __all__ = ["heldout_metrics"]
 

@@ -35,7 +35,6 @@ from ..data import PackedBatches, default_target_layer_ids, open_training_data, 
 from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
 from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
-from .config import TrainConfig
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
 from .optim import build_optimizer, build_scheduler
@@ -53,6 +52,7 @@ from .progress import (
 )
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
+from .train_config import TrainConfig
 from .validation import Validation
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Online training's data: token ids (given, or the target's replies generated first) whose
-hidden states the target computes as each batch is read (:mod:`..datagen.online`).
+hidden states the target computes as each batch is read (:mod:`..datagen.online_states`).
 
 When to choose it (docs/training.md, "Online or offline"): online pays a target forward per
 sample per epoch (less with ``--online-cache``) and keeps the target in memory beside the
@@ -24,14 +24,14 @@ from ..common.settings import check_choices, fail, section, setting
 from ..data import TrainingData, default_target_layer_ids, open_training_data
 from ..data.layout import SETTINGS_FILE
 from ..data.prompts import prompt_source_exists, resolved_spec
-from ..datagen.build import generate_replies
-from ..datagen.config import DataGenConfig, ReplyConfig
-from ..datagen.online import CACHE_DIR, CACHE_KINDS, CacheSettings, OnlineHiddenStates
+from ..datagen.build_data import generate_replies
+from ..datagen.datagen_config import DataGenConfig, ReplyConfig
+from ..datagen.online_states import CACHE_DIR, CACHE_KINDS, CacheSettings, OnlineHiddenStates
 from ..model.target import load_target_model
 from .distributed import World
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
             generate_replies(reply_config(config, layer_ids, world.device))
         world.barrier()
     model = load_target_model(verifier, getattr(torch, online.target_dtype), world.device)
-    # What the disk cache's states depend on; another value empties it (datagen/online.py).
+    # What the disk cache's states depend on; another value empties it (datagen/online_states.py).
     key = {
         "target": str(Path(verifier).resolve()),
         "target_dtype": online.target_dtype,

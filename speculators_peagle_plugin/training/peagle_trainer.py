@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import CODConfig, PEagleConfig
 from ..core.peagle_attention import lengths_from_document_ids
+from ..core.peagle_config import CODConfig, PEagleConfig
 from ..core.peagle_data import generate_cod_sample_indices
 from ..kernels.fused_kl import LossConfig, fused_linear_kl
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
 from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
 
-__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "PlanUnit", "_PeaglePlan", "_kl_div_loss"]
+# The seed contract's private names (_PeaglePlan, _kl_div_loss) are re-exported by
+# speculators_peagle_plugin.seed_api, not listed here.
+__all__ = ["PEagleStepMetrics", "PEagleTrainerModule", "PlanUnit"]
 
 
 def _kl_div_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:

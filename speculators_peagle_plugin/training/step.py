@@ -15,7 +15,7 @@ from torch import nn
 from .distributed import RuntimeConfig, StepModule, World, sharded, sync_context
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .train_config import TrainConfig
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:

@@ -24,8 +24,8 @@ from ..common.files import atomic_directory, atomic_write_text
 from ..serving.model_card import read_card, write_model_card
 from . import heldout
 from .checkpoint import STATE_FILE
-from .config import TrainConfig
 from .distributed import World
+from .train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import PackedBatches
-from speculators_peagle_plugin.training.config import TrainConfig
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.step import cod_generator
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 DRAFT_VOCAB = 40
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from ..common.dtypes import DTYPE_NAMES
 from ..common.reading import read_yaml_mapping
 from ..common.settings import Settings, build, check_optional_ints, leaves, section, setting
-from ..datagen.config import ReplyConfig
-from ..evaluation.config import SweepConfig
+from ..datagen.datagen_config import ReplyConfig
+from ..evaluation.eval_config import SweepConfig
 
 __all__ = ["DemoConfig", "QUICK", "quick_config"]
 

@@ -29,8 +29,8 @@ import torch
 from ..model.build import DEFAULT_SLIDING_WINDOW
 from .checks import PARTITIONS
 from .perf import _peak_gib, _sync, make_row, segments_for
-from .report import FAIL, SKIP, Check, relative_error, verdict
 from .rows import packed_batch
+from .selftest_report import FAIL, SKIP, Check, relative_error, verdict
 from .shapes import NARROW_WINDOW, SHAPES, build_draft, trainer_for
 
 WRAPPERS = ("ddp", "fsdp")
@@ -40,7 +40,7 @@ ROW_TOKENS = 97  # correctness rows: several documents, padding, a few segments 
 
 def _config(world, wrapper: str, partitions: int, autocast: str, scratch: str, seed: int = 0):
     """The step's settings (``train_step`` draws each rank's COD from ``seed``)."""
-    from ..training.config import TrainConfig
+    from ..training.train_config import TrainConfig
 
     return TrainConfig.from_sources(
         verifier_name_or_path="selftest", data_path="selftest", save_path=scratch,
@@ -196,5 +196,5 @@ def distributed_checks(shape, device, seq_len: int, warmup: int, steps: int, qui
     return [_run(wrapper, ranks, spec, env) for wrapper in WRAPPERS]
 
 
-if __name__ == "__main__":  # a torchrun rank: `torchrun ... -m ...distributed SPEC_JSON`
+if __name__ == "__main__":  # a torchrun rank: `torchrun ... -m ...distributed_checks SPEC_JSON`
     worker(json.loads(sys.argv[1]))

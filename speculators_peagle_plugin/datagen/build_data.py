@@ -27,7 +27,7 @@ from ..data.prompts import read_training_prompts, resolved_spec
 from ..data.storage import check_free_space, storage_estimate
 from .capture import write_hidden_states
 from .capture_vllm import place_recorded, recording_spec, write_hidden_states_vllm
-from .config import DataGenConfig
+from .datagen_config import DataGenConfig
 from .generation import Target, generate_responses
 
 logger = logging.getLogger(__name__)

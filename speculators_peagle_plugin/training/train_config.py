@@ -8,14 +8,14 @@ section     class                       owner
 verifier    VerifierConfig              :mod:`..model.target`
 draft       DraftConfig                 :mod:`..model.build`
 data        DataConfig                  :mod:`..data.packing`
-online      OnlineConfig (+ replies)    :mod:`.online` (:mod:`..datagen.config`)
+online      OnlineConfig (+ replies)    :mod:`.online` (:mod:`..datagen.datagen_config`)
 loss        LossConfig                  :mod:`..kernels.fused_kl`
 optimizer   OptimizerConfig             :mod:`.optim`
 scheduler   SchedulerConfig             :mod:`.optim`
 trainer     TrainerConfig               :mod:`.checkpoint`
 logging     LoggingConfig               :mod:`.progress`
 runtime     RuntimeConfig               :mod:`.distributed`
-peagle      PEagleConfig                :mod:`..core.config`
+peagle      PEagleConfig                :mod:`..core.peagle_config`
 ==========  ==========================  ==================================================
 
 Each section validates its own settings; :class:`TrainConfig` checks only what joins two.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.settings import Settings, fail, section, setting
-from ..core.config import PEagleConfig
+from ..core.peagle_config import PEagleConfig
 from ..data.packing import DataConfig
 from ..kernels.fused_kl import LossConfig
 from ..model.build import DraftConfig
