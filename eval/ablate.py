@@ -92,7 +92,7 @@ def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
                      "--max-new-tokens", str(demo["max_new_tokens"]), "--backend", "vllm",
                      "--kv-cache-gb", str(demo["kv_cache_gb"]),
                      # the held-out sets themselves: scored, never trained on
-                     "--no-contamination-guard", "--dtype", demo["dtype"]])  # fmt: skip
+                     "--no-contamination-guard", "--dtype", demo["dtype"]])
     return path
 
 
@@ -108,7 +108,7 @@ def _train(
 
     cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train", "--config",
            str(config_yaml), "--verifier-name-or-path", demo["target"], "--data-path",
-           data, "--save-path", str(save), "--seed", str(seed)]  # fmt: skip
+           data, "--save-path", str(save), "--seed", str(seed)]
     if steps is not None:
         cmd += ["--max-steps", str(steps)]
     if demo["autocast_none"]:
@@ -164,7 +164,7 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
     config = TrainConfig.from_sources(
         str(config_yaml), verifier_name_or_path=demo["target"], data_path=data,
         save_path=str(cell_dir / "train"), seed=seed,
-    )  # fmt: skip
+    )
     cell = {
         "variant": name,
         "overrides": overrides,
@@ -252,7 +252,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--variant", action="append", nargs="+", metavar="NAME [FIELD=VALUE]",
         help="Repeatable; the first is the baseline [default: baseline].",
-    )  # fmt: skip
+    )
     parser.add_argument("--seeds", default="0,1,2", help="Comma-separated [default: 0,1,2].")
     parser.add_argument("--steps", type=int, help="Optimizer steps [default: the demo's].")
     parser.add_argument("--demo-dir", default="runs/demo")
@@ -263,7 +263,7 @@ def _parse_args() -> argparse.Namespace:
         "--no-serve", dest="serve", action="store_false",
         help="Screen: train and score held out only, no vLLM. A later run without this flag "
         "serves the screened cells' drafts without training them again.",
-    )  # fmt: skip
+    )
     return parser.parse_args()
 
 
@@ -283,12 +283,12 @@ def main() -> None:
     args.out = str(Path(args.out).resolve())
     args.eval_prompts = args.eval_prompts or demo["eval_prompts"]
     heldout = {spec: _heldout_data(demo, spec, Path(args.out))
-               for spec in args.heldout or demo["eval_prompts"]}  # fmt: skip
+               for spec in args.heldout or demo["eval_prompts"]}
     cells = []
     # seed-major: an interrupted run has every variant at its first seeds
     for i, (seed, variant) in enumerate((s, v) for s in seeds for v in variants):
         print(f"[cell {i + 1}/{len(variants) * len(seeds)}] {variant[0]} seed {seed}",
-              file=sys.stderr, flush=True)  # fmt: skip
+              file=sys.stderr, flush=True)
         cells.append(run_cell(demo, args, variant, seed, heldout))
     summary = summarise(cells, names)
     record = {

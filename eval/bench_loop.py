@@ -38,7 +38,7 @@ def _config(args, save_path: str):
         verifier_name_or_path=args.target, data_path=args.data, save_path=save_path,
         max_steps=str(args.warmup + args.steps), no_resume_from_checkpoint=True,
         checkpoint_freq="1000",
-    )  # fmt: skip
+    )
     return load_config(TrainConfig, args.config, flags)
 
 
@@ -123,7 +123,7 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, "-m", "eval.bench_loop", *sys.argv[1:], "--side", side],
                 capture_output=True, text=True, check=True,
-            )  # fmt: skip
+            )
             results[side] += json.loads(out.stdout.strip().splitlines()[-1])["times"]
     bare, loop, in_line = (statistics.median(results[s]) for s in SIDES)
     print(
@@ -133,7 +133,7 @@ def main() -> None:
     print(json.dumps({
         "bare_s": bare, "loop_s": loop, "in_line_s": in_line, "overhead": loop / bare - 1,
         "in_line_overhead": in_line / bare - 1,
-    }))  # fmt: skip
+    }))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def run_command(args: list[str]) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(args, env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
     sys.stdout.write("".join(line for line in done.stdout.splitlines(True)
-                             if not line.startswith("RESULT ")))  # fmt: skip
+                             if not line.startswith("RESULT ")))
     if done.returncode != 0:
         raise SystemExit(f"{args[2:4]} failed with exit code {done.returncode} (output above).")
     return done.stdout
@@ -88,7 +88,7 @@ def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Pa
            "--max-new-tokens", str(demo["eval_max_new_tokens"]),
            "--concurrency", str(demo["eval_concurrency"]),
            "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
-           "--out", str(out)]  # fmt: skip
+           "--out", str(out)]
     for draft in drafts:
         cmd += ["--draft", draft]
     for spec in prompts:
@@ -100,4 +100,4 @@ def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Pa
                                   "per_position": r["per_position"]}
                 for r in runs if r["draft"] == str(Path(draft).resolve())}
         for draft in drafts
-    }  # fmt: skip
+    }

@@ -63,7 +63,7 @@ GPU_IMAGE = frozenset(
 PYTHON_VERSION = "3.12"
 # pip matches each manylinux tag exactly: every tag the machine's glibc runs is named.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+             "manylinux2014_x86_64", "manylinux1_x86_64")
 BUDGET_MIB = 64  # files per call to the GPU machine: the working tree and the wheels
 # Everything the selftest imports, its lazy imports included; tests/test_selftest.py
 # checks this against what a selftest run really imports.
@@ -107,7 +107,7 @@ def imported_distributions(modules=SELFTEST_MODULES) -> set[str]:
     done = subprocess.run(
         [sys.executable, "-c", _LIST_DISTRIBUTIONS, *modules],
         capture_output=True, text=True, check=True, cwd=REPO,
-    )  # fmt: skip
+    )
     return {normalize(d) for d in json.loads(done.stdout.splitlines()[-1])}
 
 
@@ -122,7 +122,7 @@ def tree_bytes() -> int:
     done = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         capture_output=True, text=True, check=True, cwd=REPO,
-    )  # fmt: skip
+    )
     files = (REPO / f for f in done.stdout.splitlines())
     return sum(f.stat().st_size for f in files if f.is_file())
 
@@ -131,13 +131,13 @@ def download(pins: dict[str, str], out: Path) -> None:
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--python-version", PYTHON_VERSION, *platforms, "--implementation", "cp",
-           "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]  # fmt: skip
+           "-d", str(out), *(f"{n}=={v}" for n, v in pins.items())]
     subprocess.run(cmd, check=True)
 
 
 def build_own_wheel(out: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-           "-w", str(out), str(REPO)]  # fmt: skip
+           "-w", str(out), str(REPO)]
     subprocess.run(cmd, check=True, capture_output=True)
 
 
@@ -154,12 +154,12 @@ def main() -> None:
         "--out", default="runs/gpu-wheels",
         help="Wheels and command.sh go here: inside the repository, ignored by git (the "
         "device tool carries it) [default: runs/gpu-wheels].",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
     if not out.is_relative_to(REPO):
         sys.exit(f"--out {args.out}: it must lie inside the repository ({REPO}), "
-                 "so the device tool can carry it.")  # fmt: skip
+                 "so the device tool can carry it.")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
@@ -175,7 +175,7 @@ def main() -> None:
     print(f"wheels + working tree: {total / 2**20:.1f} MiB of {BUDGET_MIB} MiB")
     if total > BUDGET_MIB * 2**20:
         sys.exit(f"{total / 2**20:.1f} MiB does not fit the GPU machine's {BUDGET_MIB} MiB per "
-                 "call; ship fewer wheels.")  # fmt: skip
+                 "call; ship fewer wheels.")
     command = gpu_command(str(rel))
     (out / "command.sh").write_text(f"#!/bin/sh\n# from the repository root\n{command}\n")
     print(f"\nOn the GPU machine, from the repository root (carry {rel}):\n\n  {command}\n")

@@ -37,7 +37,7 @@ TIMES: dict[str, float] = defaultdict(float)
 PARTS = (
     "target forward", "draft forward", "drafting, rest", "rejection sampling", "sampling",
     "runner, rest", "scheduler + outputs",
-)  # fmt: skip
+)
 
 
 @contextmanager
@@ -92,7 +92,7 @@ def _profile(worker, job_cls, args, prompts, draft: str | None, k: int | None) -
         target=args.target, prompts=prompts[: args.warmup], max_tokens=args.max_new_tokens,
         batch_size=1, draft=draft, num_speculative_tokens=k, dtype=args.dtype,
         enforce_eager=args.enforce_eager,
-    )  # fmt: skip
+    )
     worker.run(job)  # builds the engine and warms it up
     engine = worker.llm.llm_engine
     steps, step_s = 0, 0.0
@@ -198,7 +198,7 @@ def main() -> None:
     prompts = render_prompts(tokenizer, load_prompt_set(args.prompts))
     if len(prompts) <= args.warmup:
         raise SystemExit(f"--prompts {args.prompts} has {len(prompts)} prompts; it needs "
-                         f"more than --warmup {args.warmup}.")  # fmt: skip
+                         f"more than --warmup {args.warmup}.")
     worker = Worker(emit=lambda message: None)
     rows = []
     try:

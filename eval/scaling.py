@@ -137,7 +137,7 @@ def rendered_prompts(prompts: str, target: str) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(target)
     conversations, _ = read_training_prompts(prompts, guard=False)
     firsts = [c[: next(i for i, m in enumerate(c) if m["role"] == "user") + 1]
-              for c in conversations]  # fmt: skip
+              for c in conversations]
     return [render_conversation(tokenizer, turns) for turns in firsts]
 
 
@@ -263,7 +263,7 @@ def train_yaml(config: Path, path: Path, native_bf16: bool) -> Path:
 
 
 def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequence[int],
-               runner: Runner) -> Path:  # fmt: skip
+               runner: Runner) -> Path:
     """Train the cell (or resume it), then delete the checkpoints no step asked for; returns
     its save path. A cell trained under another plan is refused."""
     from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
@@ -283,7 +283,7 @@ def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequenc
             "--max-steps", str(plan["max_steps"]), "--epochs", str(plan["epochs"]),
             "--checkpoint-freq", repr(plan["checkpoint_freq"]),
             "--keep-checkpoints", str(plan["keep_checkpoints"]), "--log-freq", "1",
-        ])  # fmt: skip
+        ])
     for checkpoint in checkpoint_dirs(save):
         if int(checkpoint.name[len(CHECKPOINT_PREFIX) :]) not in steps:
             shutil.rmtree(checkpoint)
@@ -311,7 +311,7 @@ def eval_settings(dtype: str) -> dict:
         "prompts_per_slot": EVAL_PROMPTS_PER_SLOT, "max_new_tokens": EVAL_MAX_NEW_TOKENS,
         "baseline": False, "dtype": dtype, "kv_cache_gb": EVAL_KV_CACHE_GB,
         "enforce_eager": False,
-    }  # fmt: skip
+    }
 
 
 def eval_args(target: str, checkpoint: Path, dtype: str, out: Path) -> list[str]:
@@ -320,7 +320,7 @@ def eval_args(target: str, checkpoint: Path, dtype: str, out: Path) -> list[str]
             "--concurrency", str(EVAL_CONCURRENCY),
             "--prompts-per-slot", str(EVAL_PROMPTS_PER_SLOT), "--no-baseline",
             "--max-new-tokens", str(EVAL_MAX_NEW_TOKENS), "--dtype", dtype,
-            "--kv-cache-gb", str(EVAL_KV_CACHE_GB), "--out", str(out)]  # fmt: skip
+            "--kv-cache-gb", str(EVAL_KV_CACHE_GB), "--out", str(out)]
     for spec in EVAL_SETS:
         args += ["--prompts", spec]
     return args
@@ -346,11 +346,11 @@ def served_figures(record: dict, checkpoint: Path) -> dict:
                           "per_position": r["per_position"]}
         for r in record["runs"]
         if r["draft"] == str(checkpoint.resolve()) and r["k"] == EVAL_K
-    }  # fmt: skip
+    }
 
 
 def measure_point(cell: dict, checkpoint: Path, step: int, inputs: dict, config,
-                  runner: Runner) -> dict:  # fmt: skip
+                  runner: Runner) -> dict:
     """One point: the checkpoint at ``step`` served and scored on held-out data
     (``step-<S>/point.json``, kept while the checkpoint's weights are the same)."""
     from speculators_peagle_plugin.evaluation.report import checkpoint_hash
@@ -408,7 +408,7 @@ def summarise(points: list[dict]) -> dict[tuple[int, int, int], dict[str, dict]]
         values = {n: [r[n] for r in rows] for n in names}
         out[key] = {n: {"mean": statistics.fmean(v),
                         "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
-                    for n, v in values.items()}  # fmt: skip
+                    for n, v in values.items()}
     return out
 
 
@@ -426,7 +426,7 @@ def tables(summary: dict) -> str:
     for name in _figure_names(summary):
         text += [f"**{name}** (acceptance length, K={EVAL_K})", "",
                  "| prompts × layers | " + " | ".join(map(str, steps)) + " |",
-                 "|---|" + "---:|" * len(steps)]  # fmt: skip
+                 "|---|" + "---:|" * len(steps)]
         for n, layers in rows:
             cells = []
             for step in steps:
@@ -457,13 +457,13 @@ def plot(summary: dict, path: Path) -> Path:
     for ax, name in zip(axes[0], names, strict=True):
         for n, layers in sorted({(n, layers) for n, layers, _ in summary}):
             line = [(s, f[name]) for (pn, pl, s), f in sorted(summary.items())
-                    if (pn, pl) == (n, layers) and name in f]  # fmt: skip
+                    if (pn, pl) == (n, layers) and name in f]
             if not line:
                 continue
             ax.errorbar([s for s, _ in line], [f["mean"] for _, f in line],
                         yerr=[f["std"] for _, f in line], marker="o", capsize=3,
                         color=f"C{counts.index(n)}", linestyle=styles[(layers - 1) % 4],
-                        label=f"{n} prompts, {layers} layer{'s' * (layers > 1)}")  # fmt: skip
+                        label=f"{n} prompts, {layers} layer{'s' * (layers > 1)}")
         ax.set_xscale("log", base=2)
         ax.set_title(name)
         ax.set_xlabel("optimizer steps")
@@ -495,16 +495,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-dir", default="runs/long", help="A long-recipe run directory.")
     parser.add_argument("--prompts", default="220,1000,4430", help="Prefix sizes, in prompts.")
     parser.add_argument("--steps", default="500,1000,2000,4000",
-                        help="Optimizer steps at which each cell is measured.")  # fmt: skip
+                        help="Optimizer steps at which each cell is measured.")
     parser.add_argument("--seeds", action="append",
-                        help="Comma-separated; repeatable [default: 42].")  # fmt: skip
+                        help="Comma-separated; repeatable [default: 42].")
     parser.add_argument("--num-layers", default="1,2", help="Draft depths.")
     parser.add_argument("--config", default="configs/long_smollm2_train.yaml",
-                        help="The training YAML.")  # fmt: skip
+                        help="The training YAML.")
     parser.add_argument("--out", default="runs/scaling",
-                        help="Prefix data, checkpoints and eval records.")  # fmt: skip
+                        help="Prefix data, checkpoints and eval records.")
     parser.add_argument("--report", default="eval/scaling",
-                        help="scaling.json and scaling.png, for eval/RESULTS.md.")  # fmt: skip
+                        help="scaling.json and scaling.png, for eval/RESULTS.md.")
     args = parser.parse_args(argv)
     args.prompts = _ints(args.prompts, "--prompts", 1)
     args.steps = _ints(args.steps, "--steps", 1)
@@ -555,11 +555,11 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
         return TrainConfig.from_sources(
             str(yaml_path), verifier_name_or_path=inputs["target"], data_path=str(data),
             save_path=str(save), num_layers=layers, seed=seed,
-        )  # fmt: skip
+        )
 
     vocab = config_for(Path(inputs["data"]), out, 1, 0).draft.draft_vocab_size
     cells = [(n, layers, seed) for n in args.prompts for layers in args.num_layers
-             for seed in args.seeds]  # fmt: skip
+             for seed in args.seeds]
     for i, (n, layers, seed) in enumerate(cells):
         count = sum(p < n for p in of_row)  # rows come in prompt order
         if count == 0:
@@ -570,16 +570,16 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
         prefix_data(Path(inputs["data"]), count, data, vocab)
         config = config_for(data, out / "cells" / name / "train", layers, seed)
         cell = {"dir": str(out / "cells" / name), "prompts": n, "rows": count,
-                "layers": layers, "seed": seed}  # fmt: skip
+                "layers": layers, "seed": seed}
         per_epoch = steps_per_epoch(data, config.data.total_seq_len)
         plan = {**{k: cell[k] for k in ("prompts", "rows", "layers", "seed")},
                 "steps": args.steps, "config_sha256": yaml_sha256, "data": str(data),
-                **checkpoint_plan(args.steps, per_epoch)}  # fmt: skip
+                **checkpoint_plan(args.steps, per_epoch)}
         _echo(f"[{i + 1}/{len(cells)}] {name}: train {plan['max_steps']} steps, a checkpoint "
-              f"every {plan['every']} ({plan['steps_per_epoch']} steps an epoch)")  # fmt: skip
+              f"every {plan['every']} ({plan['steps_per_epoch']} steps an epoch)")
         train_args = ["--config", str(yaml_path), "--verifier-name-or-path", inputs["target"],
                       "--data-path", str(data), "--num-layers", str(layers),
-                      "--seed", str(seed)]  # fmt: skip
+                      "--seed", str(seed)]
         save = train_cell(Path(cell["dir"]), plan, train_args, args.steps, runner)
         for step in args.steps:
             _echo(f"[{i + 1}/{len(cells)}] {name}: step {step}: eval + held-out estimate")

@@ -62,7 +62,7 @@ def _train_config(spec: dict, side: str):
         save_path=str(Path(spec["out"]) / f"{side}-train"), max_steps=spec["steps"],
         checkpoint_freq=1e9, keep_checkpoints=1, log_freq=1, no_resume_from_checkpoint=True,
         **seed,
-    )  # fmt: skip
+    )
     if side == "theirs" and spec.get("theirs_draft") == "speculators":
         defaults = {leaf.key: leaf.default for leaf in leaves(TrainConfig)}
         config = config.replace(**{k: defaults[k] for k in SPECULATORS_DRAFT})
@@ -132,7 +132,7 @@ def train_theirs(spec: dict) -> dict:
                 **batch, loss_config=loss_config, max_anchors=max_anchors,
                 num_depths=cod.num_depths, down_sample_ratio=ratio,
                 down_sample_ratio_min=cod.down_sample_ratio_min,
-            )  # fmt: skip
+            )
         loss.backward()
         if opt.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(params, opt.max_grad_norm)
@@ -193,7 +193,7 @@ def _parse_args() -> argparse.Namespace:
         "--theirs-draft", choices=("ours", "speculators"), default="ours",
         help="theirs' initial draft: ours' (one draft for both), or the one speculators "
         "train builds (random layer, the verifier's key/value heads) [default: ours].",
-    )  # fmt: skip
+    )
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -204,7 +204,7 @@ def _train_sides(spec: dict) -> dict:
     results = {}
     for side in ("ours", "theirs"):
         stdout = run_command([sys.executable, "-m", "eval.side_by_side", "--worker", side,
-                       "--spec", json.dumps(spec)])  # fmt: skip
+                       "--spec", json.dumps(spec)])
         line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
         results[side] = json.loads(line[len("RESULT ") :])
     return results
@@ -215,19 +215,19 @@ def _print_table(results: dict, spec: dict, k: int, prompts: list[str]) -> None:
     print(f"\n{ours['steps']} optimizer steps each, {spec['threads']} threads; K={k}; "
           f"speculators' max_anchors {spec.get('theirs_max_anchors')}, "
           f"r {spec.get('theirs_down_sample_ratio') or 'ours'}, "
-          f"initial draft {spec.get('theirs_draft', 'ours')}\n")  # fmt: skip
+          f"initial draft {spec.get('theirs_draft', 'ours')}\n")
     print("| | ours (plugin) | speculators built-in | ours vs theirs |")
     print("|---|---:|---:|---:|")
     print(f"| training loop (s) | {ours['train_s']:.1f} | {theirs['train_s']:.1f} | "
-          f"{theirs['train_s'] / ours['train_s']:.2f}x faster |")  # fmt: skip
+          f"{theirs['train_s'] / ours['train_s']:.2f}x faster |")
     print(f"| peak RSS (GiB) | {ours['peak_rss_gib']:.2f} | {theirs['peak_rss_gib']:.2f} | "
-          f"{ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}x |")  # fmt: skip
+          f"{ours['peak_rss_gib'] / theirs['peak_rss_gib']:.2f}x |")
     print(f"| final loss | {ours['losses'][-1]:.3f} | {theirs['losses'][-1]:.3f} | |")
     for p in prompts:
         a, b = ours["acceptance"][p], theirs["acceptance"][p]
         print(f"| acceptance length, {p} | {a['acceptance_length']:.3f} | "
               f"{b['acceptance_length']:.3f} | "
-              f"{a['acceptance_length'] - b['acceptance_length']:+.3f} |")  # fmt: skip
+              f"{a['acceptance_length'] - b['acceptance_length']:+.3f} |")
 
 
 def main() -> None:
@@ -246,7 +246,7 @@ def main() -> None:
         "theirs_max_anchors": args.theirs_max_anchors,
         "theirs_down_sample_ratio": args.theirs_down_sample_ratio,
         "theirs_draft": args.theirs_draft,
-    }  # fmt: skip
+    }
     results = _train_sides(spec)
     prompts = args.eval_prompts or demo["eval_prompts"]
     eval_dir = out / "eval"

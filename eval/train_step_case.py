@@ -19,7 +19,7 @@ VERIFIER_CFG = dict(  # SmolLM2-135M shape
     num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
     max_position_embeddings=8192, rms_norm_eps=1e-5, initializer_range=0.02,
     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-)  # fmt: skip
+)
 DRAFT_VOCAB = 8192
 NUM_LAYERS = 1
 SLIDING_WINDOW = 2048  # speculators CLI default (all draft layers sliding)
@@ -71,7 +71,7 @@ def build_model(model_cls, verifier_dir: str):
             verifier_name_or_path=verifier_dir, target_layer_ids=TARGET_LAYER_IDS,
             draft_vocab_size=DRAFT_VOCAB, mask_token_id=MASK_TOKEN_ID, num_depths=K,
             draft_attn_impl=DRAFT_ATTN_IMPL,
-        )  # fmt: skip
+        )
 
     std = VERIFIER_CFG["initializer_range"]
     with torch.no_grad():

@@ -84,13 +84,13 @@ def check(config: CheckConfig) -> None:
     findings = check_checkpoint(
         config.checkpoint, config.target, num_speculative_tokens=config.num_speculative_tokens,
         device=config.device,
-    )  # fmt: skip
+    )
     for finding in findings:
         click.echo(str(finding))
     errors = sum(f.severity == "error" for f in findings)
     if errors:
         click.echo(f"{errors} error(s): vLLM would reject or mis-serve {config.checkpoint}.",
-                   err=True)  # fmt: skip
+                   err=True)
         raise SystemExit(1)
     click.echo(f"OK: vLLM can serve {config.checkpoint} with parallel drafting.")
 
@@ -102,7 +102,7 @@ def export(config: ExportConfig) -> None:
     fixed, remaining = export_checkpoint(
         config.checkpoint, config.output, config.target, mask_token_id=config.mask_token_id,
         num_speculative_tokens=config.num_speculative_tokens, device=config.device,
-    )  # fmt: skip
+    )
     for finding in fixed:
         click.echo(f"fixed [{finding.code}]: {finding.message}")
     for finding in remaining:
@@ -119,7 +119,7 @@ def eval_command(config: EvalConfig) -> None:
 
 @main.command()
 @config_command(DemoConfig, file_flag="--recipe", load=DemoConfig.from_command,
-                file_help="A recipe YAML of demo settings (configs/recipes/).")  # fmt: skip
+                file_help="A recipe YAML of demo settings (configs/recipes/).")
 def demo(config: DemoConfig) -> None:
     """SmolLM2-135M -> its own replies -> a P-EAGLE draft -> acceptance in vLLM, on a CPU."""
     run_demo(config, echo=click.echo)

@@ -72,7 +72,7 @@ def _decorator(leaf: Leaf, repr_defaults: bool):
     else:
         kwargs["metavar"] = "INTS" if get_origin(base) is tuple else _METAVARS[base]
     return click.option(*decls, leaf.key, cls=SettingOption, default=None,
-                        setting_required=leaf.default is MISSING, **kwargs)  # fmt: skip
+                        setting_required=leaf.default is MISSING, **kwargs)
 
 
 def _value(leaf: Leaf, given):
@@ -117,7 +117,7 @@ def load_config(cls, config_file: str | Path | None, flags: dict):
 
 def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--config",
                    file_help: str = "YAML file of option: value (flags override it).",
-                   load=None):  # fmt: skip
+                   load=None):
     """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
     parses them, builds the config (``load(file, given values)`` when the command reads its
     file its own way) and runs ``fn`` under :func:`user_errors`."""
@@ -135,7 +135,7 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--conf
         for leaf in reversed([leaf for leaf in leaves(cls) if leaf.has_flag]):
             command = _decorator(leaf, repr_defaults)(command)
         file_option = click.option(file_flag, "config_file", type=click.Path(dir_okay=False),
-                                   default=None, help=file_help)  # fmt: skip
+                                   default=None, help=file_help)
         return file_option(command)
 
     return decorate

@@ -15,7 +15,7 @@ def cell(variant, seed, acceptance, depth0, train_s):
         "variant": variant, "seed": seed, "train_s": train_s, "peak_rss_gib": 1.0,
         "served": {"mt_bench": {"acceptance_length": acceptance, "per_position": [0.5, 0.2]}},
         "heldout": {"chat": {"acceptance_length": 1 + depth0, "accuracy_per_depth": [depth0]}},
-    }  # fmt: skip
+    }
 
 
 def test_variants_parse_as_train_settings_with_yaml_values():
@@ -24,7 +24,7 @@ def test_variants_parse_as_train_settings_with_yaml_values():
         ["deep", "num_depths=6", "max-anchors=null", "hard_label_weight=0.5"]
     )
     assert (name, overrides) == ("deep", {"num_depths": 6, "max_anchors": None,
-                                          "hard_label_weight": 0.5})  # fmt: skip
+                                          "hard_label_weight": 0.5})
     for bad in (["x", "num_depht=3"], ["x", "lr"], ["a b"]):
         with pytest.raises(SystemExit):
             ablate.parse_variant(bad)
@@ -47,7 +47,7 @@ def test_summary_is_the_mean_and_sample_spread_and_the_bar_is_twice_the_larger(s
     assert got["std"] == pytest.approx(statistics.stdev(better), abs=1e-12) and got["n"] == 3
     assert summary["base"]["train s"]["std"] == pytest.approx(1.0)  # 10, 11, 12
     rows = {r.split("|")[1].strip(): r for r in ablate.table(summary, ["base", "better", "close"])
-            .splitlines()[2:]}  # fmt: skip
+            .splitlines()[2:]}
     row = rows["served mt_bench: acceptance length"].split("|")
     assert "*)" in row[3] and f"Δ {sum(better) / 3 - sum(base) / 3:+.3f}" in row[3]
     assert "*" not in row[4]  # within twice the spread: not a win
@@ -78,7 +78,7 @@ def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, mo
     demo_yaml.write_text(yaml.safe_dump({"algorithm": "peagle", "num_depths": 4}))
     demo = {"target": str(tmp_path / "target"), "data": str(tmp_path / "demo-data"),
             "config": str(demo_yaml), "steps_demo": None,
-            "trained": {"checkpoint": "c", "train_s": 1.0, "seed": 42}}  # fmt: skip
+            "trained": {"checkpoint": "c", "train_s": 1.0, "seed": 42}}
     trained, judged = [], []
 
     def fake_train(demo, config_yaml, data, save, seed, steps):
@@ -93,7 +93,7 @@ def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, mo
     monkeypatch.setattr(ablate, "_train", fake_train)
     monkeypatch.setattr(ablate, "served_acceptance", lambda demo, drafts, *a: {drafts[0]: {}})
     monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics",
-                        fake_heldout)  # fmt: skip
+                        fake_heldout)
     args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=[], serve=True)
     other = tmp_path / "other-data"
     for variant in (("base", {}), ("t03", {"data_path": str(other)}), ("e3", {"epochs": 3})):
@@ -111,7 +111,7 @@ def test_a_screened_cell_is_served_later_without_training_again(tmp_path, monkey
     demo_yaml = tmp_path / "demo.yaml"
     demo_yaml.write_text(yaml.safe_dump({"algorithm": "peagle", "num_depths": 4}))
     demo = {"target": str(tmp_path / "target"), "data": str(tmp_path / "demo-data"),
-            "config": str(demo_yaml), "steps_demo": None, "trained": None}  # fmt: skip
+            "config": str(demo_yaml), "steps_demo": None, "trained": None}
     calls = []
 
     def fake_train(demo, config_yaml, data, save, seed, steps):
@@ -132,12 +132,12 @@ def test_a_screened_cell_is_served_later_without_training_again(tmp_path, monkey
     args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=None, eval_prompts=["x"])
     variant = ("lr2", {"lr": 0.002})
     screened = ablate.run_cell(demo, types.SimpleNamespace(**vars(args), serve=False), variant,
-                               0, {"chat": tmp_path / "heldout"})  # fmt: skip
+                               0, {"chat": tmp_path / "heldout"})
     assert calls == ["train"] and screened["served"] == {}
     assert "served mt_bench: acceptance length" not in ablate.figures(screened)
     for _ in range(2):  # served once, then finished
         served = ablate.run_cell(demo, types.SimpleNamespace(**vars(args), serve=True), variant,
-                                 0, {"chat": tmp_path / "heldout"})  # fmt: skip
+                                 0, {"chat": tmp_path / "heldout"})
     assert calls == ["train", "serve"]
     assert served["heldout"] == screened["heldout"] and served["served"]["mt_bench"]
     on_disk = json.loads((tmp_path / "out" / "lr2" / "seed-0" / "cell.json").read_text())

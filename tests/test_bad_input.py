@@ -72,7 +72,7 @@ def test_a_live_holder_is_named_and_a_killed_ones_lock_is_taken_over(tmp_path, c
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(directory / LOCK_FILE)],
         stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         held = f"in use by another training run \\(PID {holder.pid}\\)"
@@ -101,7 +101,7 @@ def test_generate_data_into_a_directory_in_use_is_refused(workdir, tmp_path):
     out = tmp_path / "data"
     args = ["generate-data", "--target", str(workdir / "target"),
             "--prompts", str(workdir / "prompts.jsonl"), "--output", str(out),
-            "--target-layer-ids", "1,2,3", "--draft-vocab-size", str(DRAFT_VOCAB)]  # fmt: skip
+            "--target-layer-ids", "1,2,3", "--draft-vocab-size", str(DRAFT_VOCAB)]
     with exclusive_directory(out, "generate-data"):
         line = refusal(*run_cli(args))
         assert f"in use by another generate-data (PID {os.getpid()})" in line
@@ -271,7 +271,7 @@ def test_a_truncated_draft_is_one_sentence_in_check_export_and_eval(workdir, tra
         ["export", str(ckpt), str(tmp_path / "out"), "--target", target],
         ["eval", "--target", target, "--draft", str(ckpt), "--prompts", "chat[:1]",
          "--out", str(tmp_path / "eval")],
-    ):  # fmt: skip
+    ):
         line = refusal(*run_cli(args))
         assert f"{ckpt / 'model.safetensors'} is corrupt or truncated" in line, args
     assert not (tmp_path / "out").exists()
@@ -324,7 +324,7 @@ def test_setup_installs_the_stack_of_the_machine(tmp_path, gpu, extra):
     plan = subprocess.run(
         ["make", "-n", "-B", "setup"], cwd=REPO, env={"PATH": path}, capture_output=True,
         text=True, check=True,
-    ).stdout  # fmt: skip
+    ).stdout
     assert f"-e '.[{extra},dev]'" in plan
     other = "cuda" if extra == "cpu" else "cpu"
     assert f".[{other}," not in plan
@@ -347,7 +347,7 @@ def test_what_a_killed_run_left_is_cleared_and_the_rerun_resumes(
     save = tmp_path / "save"
     shutil.copytree(trained, save)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+                          capture_output=True, text=True, check=True).stdout.strip()
     (save / LOCK_FILE).write_text(dead)  # its flock died with it
     (save / f".checkpoint-3.tmp-{dead}").mkdir()  # a checkpoint it was writing
     caplog.set_level(logging.INFO)
@@ -381,9 +381,9 @@ def token_only_data(path: Path, rows: dict) -> Path:
         (["--online", "--temperature", "0.7"], (), "--temperature is used only with --prompts"),
         (["--online", "--online-cache-gib", "0"], (), "online_cache_gib"),
     ],
-)  # fmt: skip
+)
 def test_online_settings_that_cannot_work_are_one_sentence(workdir, tmp_path, extra, drop,
-                                                            sentence):  # fmt: skip
+                                                            sentence):
     args = train_args(workdir, tmp_path / "save", "--max-steps", "1", *extra)
     for flag in drop:
         i = args.index(flag)

@@ -43,7 +43,7 @@ def vllm_gen_args(target, prompts, output, *extra):
         "16", "--batch-size", "4",
         "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "64",
         "--kv-cache-gb", "1", *extra,
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path
             target=str(target), prompts=str(prompts), output=str(tmp_path / output),
             backend="vllm", temperature=1.0, num_samples=3, max_new_tokens=12,
             batch_size=batch_size, kv_cache_gb=1, draft_vocab_size=64,
-        )  # fmt: skip
+        )
         return list(load_from_disk(str(generate_replies(config))).with_format(None)["input_ids"])
 
     whole = replies("whole", 2)
@@ -177,6 +177,6 @@ def test_vllm_written_data_trains(generated, target, tmp_path):
             "--save-path", str(save), "--draft-vocab-size", "64", "--num-depths", "3",
             "--total-seq-len", "128", "--max-steps", "2",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert any(save.rglob("config.json")), os.listdir(save)

@@ -91,6 +91,6 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(
         "".join(f"=== speculators-peagle {c}{' ' if c else ''}--help ===\n{render(c)}"
-                for c in COMMANDS)  # fmt: skip
+                for c in COMMANDS)
     )
     sys.exit(0)

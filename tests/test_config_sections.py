@@ -26,7 +26,7 @@ def test_every_key_names_one_setting(cls):
 def test_section_grouped_keys_mean_what_flat_keys_mean(tmp_path):
     nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
     nested.write_text(REQUIRED + "optimizer: {lr: 0.01}\npeagle:\n  num_depths: 5\n"
-                      "online: {generation_backend: transformers}\n")  # fmt: skip
+                      "online: {generation_backend: transformers}\n")
     flat.write_text(REQUIRED + "lr: 0.01\nnum_depths: 5\n")
     assert load_config(TrainConfig, nested, {}) == load_config(TrainConfig, flat, {})
     config = load_config(TrainConfig, nested, {"lr": "0.5"})  # a flag beats the file
@@ -76,7 +76,7 @@ def test_a_demo_key_renames_its_sections_setting_in_errors():
         (["check"], "checkpoint is required (CHECKPOINT)."),
         (["train", "--lr", "fast"], "--lr 'fast' is not a number."),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_sentence_on_every_command(args, sentence):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output

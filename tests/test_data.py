@@ -129,7 +129,7 @@ def test_rows_are_the_targets_greedy_replies_and_loss_mask_marks_only_them(gener
                 out = model.generate(
                     torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
                     eos_token_id=eos, pad_token_id=0,
-                )  # fmt: skip
+                )
             reply = out[0, len(prompt) :].tolist()
             reply = reply[: reply.index(eos) + 1] if eos in reply else reply
             expected.append((list(prompt), reply))
@@ -247,7 +247,7 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
     config = DataGenConfig.from_sources(
         target=str(target_dir), prompts=str(prompts_path), output=str(out),
         max_new_tokens=MAX_NEW, batch_size=2, target_layer_ids=LAYER_IDS, draft_vocab_size=40,
-    )  # fmt: skip
+    )
     real = gen_mod._regenerate
     calls = []
 

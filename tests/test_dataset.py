@@ -46,7 +46,7 @@ def write_data(path, lengths, seed=0, dtype=torch.float32, token_freq=True):
     features = Features(
         {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
          "seq_len": Value("int64")}
-    )  # fmt: skip
+    )
     dataset = Dataset.from_dict(
         {"input_ids": ids, "loss_mask": masks, "seq_len": list(lengths)}, features=features
     )
@@ -189,7 +189,7 @@ def test_aux_layers_are_chosen_among_the_recorded_ones_and_the_last_state(
         (None, (1, 3, 5, 7), "holds 3 aux hidden states per token without recording their "
          "layers, but 4"),
     ],
-)  # fmt: skip
+)
 def test_aux_layers_the_data_does_not_hold_are_one_sentence(
     tmp_path, syn_lengths, settings, layer_ids, sentence
 ):
@@ -425,7 +425,7 @@ def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path
     prepare_data(
         model=str(target_dir), data=[str(jsonl)], output=str(out), seq_length=4096,
         num_preprocessing_workers=1, skip_token_freq=False,
-    )  # fmt: skip
+    )
     dataset = load_from_disk(str(out))
     (out / "hidden_states").mkdir()
     for i, row in enumerate(dataset):
@@ -448,7 +448,7 @@ def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path
     # shifted as `speculators train` shifts them for peagle (vLLM's drafting alignment).
     reader = ArrowDataset(max_len=64, datapath=out, on_missing="raise")
     collate = CollateFn(64, HIDDEN, num_target_layers=3, dtype=torch.float32,
-                        preprocess=shift_batch)  # fmt: skip
+                        preprocess=shift_batch)
     pb = PackedBatches(data, 64, seed=5)
     seen = []
     for step in range(len(pb)):
@@ -457,7 +457,7 @@ def test_speculators_prepared_data_loads_without_conversion(target_dir, tmp_path
         ref_batch = collate([reader[i] for i in samples])
         got = pb.batch(0, step)
         for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "position_ids",
-                    "document_ids"):  # fmt: skip
+                    "document_ids"):
             assert torch.equal(got[key], ref_batch[key]), key
         assert torch.equal(got["loss_mask"], ref_batch["loss_mask"].long())
         assert got["hidden_states"].dtype == torch.float32

@@ -73,7 +73,7 @@ def test_link_draft_keeps_only_the_servable_files(tmp_path):
     demo.link_draft(ckpt, tmp_path / "draft")  # replacing it is fine
     assert sorted(p.name for p in (tmp_path / "draft").iterdir()) == [
         "config.json", "model.safetensors",
-    ]  # fmt: skip
+    ]
     assert (tmp_path / "draft" / "model.safetensors").read_bytes() == (
         ckpt / "model.safetensors"
     ).read_bytes()
@@ -84,7 +84,7 @@ def test_the_linked_draft_keeps_its_model_card_naming_itself(tmp_path):
     ckpt = tmp_path / "checkpoint-7"
     ckpt.mkdir()
     config = {"speculators_config": {"verifier": {"name_or_path": "/t"},
-                                     "proposal_methods": [{"speculative_tokens": 4}]}}  # fmt: skip
+                                     "proposal_methods": [{"speculative_tokens": 4}]}}
     (ckpt / "config.json").write_text(json.dumps(config))
     write_model_card(ckpt, {"steps": 7})
     demo.link_draft(ckpt, tmp_path / "draft")
@@ -158,7 +158,7 @@ class FakeCli:
             ]
             (out / "record.json").write_text(
                 json.dumps({"runs": runs, "recommendation": recommendation})
-            )  # fmt: skip
+            )
             (out / "acceptance.png").write_bytes(b"png")
 
     @staticmethod
@@ -168,7 +168,7 @@ class FakeCli:
             "prompt_set": spec, "label": label, "k": k, "concurrency": c,
             "acceptance_length": acceptance, "per_position": per_pos,
             "counters": {"num_drafts": 10} if k else None, "tokens_per_s": 50.0, "speedup": None,
-        }  # fmt: skip
+        }
 
 
 @pytest.fixture
@@ -253,7 +253,7 @@ def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
     cli, _, yaml, _ = fake_pipeline
     assert demo.DemoConfig().sweep.enforce_eager is False
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
-                               eval_enforce_eager=False)  # fmt: skip
+                               eval_enforce_eager=False)
     demo.run_demo(config, echo=lambda line: None)
     assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
     assert "--enforce-eager" not in cli.commands[-1]
@@ -265,11 +265,11 @@ def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
 def test_an_explicit_target_dtype_wins_and_a_new_one_redoes_the_data(fake_pipeline, tmp_path):
     cli, _, yaml, _ = fake_pipeline
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
-                               target_dtype="float32")  # fmt: skip
+                               target_dtype="float32")
     demo.run_demo(config, echo=lambda line: None)
     assert [FakeCli._opt(c, "--dtype") for c in cli.commands if "--dtype" in c] == ["float32"] * 2
     other = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
-                              target_dtype="bfloat16")  # fmt: skip
+                              target_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"'data' stage made with other settings"):
         demo.run_demo(other, echo=lambda line: None)
 
@@ -294,7 +294,7 @@ def test_pipeline_resumes_after_a_failed_stage_and_reports_acceptance_and_speed(
     assert summary["acceptance"]["humaneval[120:164]"]["K=4"] == {
         "concurrency": 16, "acceptance_length": 1.7,
         "per_position": [pytest.approx(0.7), 0, 0, 0], "per_category": None,
-    }  # fmt: skip
+    }
     assert summary["recommendation"][0]["k"] == 2
     assert any("concurrency 1: K=2 (1.40x)" in line for line in lines)
     assert not any("goal" in line or "NOT met" in line for line in lines)
@@ -342,11 +342,11 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     config = demo.DemoConfig.from_recipe(
         RECIPE, run_dir=str(run_dir), train_prompts=("humaneval[0:3]+chat[0:3]",),
         validation_prompts=("chat[3:5]",), max_prompt_tokens=None,
-    )  # fmt: skip
+    )
     demo.run_demo(config, echo=lambda s: None)
     assert [c[0] for c in cli.commands] == [
         "generate-data", "generate-data", "train", "check", "eval"
-    ]  # fmt: skip
+    ]
     data, validation, train = cli.commands[:3]
     assert FakeCli._opt(data, "--prompts") == str(run_dir / "train_prompts.jsonl")
     assert FakeCli._opt(validation, "--prompts") == str(run_dir / "validation_prompts.jsonl")
@@ -361,7 +361,7 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     assert built[0].trainer.early_stop_patience == 2
     assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
         "humaneval[120:164]", "mt_bench"
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPE.parent.glob("*.yaml")), ids=lambda p: p.name)

@@ -186,7 +186,7 @@ def test_block_sparse_attention_matches_dense_float64(
 
 @pytest.mark.parametrize("model_type,num_layers,seed", [
     ("llama", 1, 0), ("llama", 2, 1), ("qwen3", 1, 2), ("qwen3", 2, 3),
-])  # fmt: skip
+])
 def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
     monkeypatch, model_type, num_layers, seed
 ):
@@ -201,7 +201,7 @@ def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
         lambda norm, x: _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon),
     )
     draft, _, _ = tiny_draft(seed, torch.float64, model_type=model_type, num_layers=num_layers,
-                             sliding_window=6)  # fmt: skip
+                             sliding_window=6)
     anchor, depth, doc = random_cod_elements(seed, num_depths=4)
     n, n0 = depth.shape[0], int((depth == 0).sum())
     gen = torch.Generator().manual_seed(seed)
@@ -223,13 +223,13 @@ def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
         return torch.cat([
             draft.project_hidden_states(aux),
             draft.masked_projected_hidden().expand(n - n0, -1),
-        ])  # fmt: skip
+        ])
 
     def run(slots, rows=None, charged=None):
         """Output and gradients of ``sum(out[charged] * weight[charged])``."""
         draft.zero_grad()
         out = draft.forward_peagle(ids[None], projected()[None], (anchor + depth)[None], masks,
-                                   mask_slots=slots, output_rows=rows)[0]  # fmt: skip
+                                   mask_slots=slots, output_rows=rows)[0]
         if rows is None and charged is not None:
             out = out[charged]
         (out * (weight if charged is None else weight[charged])).sum().backward()
@@ -240,7 +240,7 @@ def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
         "each row": run(0), "mask slots once": run(n - n0),
         "all, then picked": run(n - n0, charged=picked),
         "output_rows": run(n - n0, rows=picked, charged=picked),
-    }  # fmt: skip
+    }
     assert rows_seen["qkv"] == [n, n0 + 1, n0 + 1, n0 + 1]
     assert rows_seen["mlp"] == [n, n, n, picked.numel()]
     for want, got in (("each row", "mask slots once"), ("all, then picked", "output_rows")):
@@ -252,7 +252,7 @@ def test_mask_slots_and_output_rows_leave_outputs_and_gradients_unchanged(
     for bad in (-1, n + 1, True, 1.0):
         with pytest.raises(ValueError, match=r"mask_slots must be an integer in \[0, "):
             draft.forward_peagle(ids[None], projected()[None], (anchor + depth)[None], masks,
-                                 mask_slots=bad)  # fmt: skip
+                                 mask_slots=bad)
 
 
 def test_block_sparse_attention_skips_padding_and_empty_rows():
@@ -330,7 +330,7 @@ def test_block_sparse_matmul_band_runs_bfloat16_inputs(monkeypatch, seed):
     allowed = mask.mask_mod(None, None, idx[:, None], idx[None, :])
     gen = torch.Generator().manual_seed(20 + seed)
     q64, k64, v64 = (torch.randn(1, h, n, 32, generator=gen, dtype=torch.float64).requires_grad_()
-                     for h in (4, 2, 2))  # fmt: skip
+                     for h in (4, 2, 2))
     grad_out = torch.randn(1, 4, n, 32, generator=gen, dtype=torch.float64)
     q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
     out = attention.peagle_attention(q, k, v, mask, 32**-0.5)

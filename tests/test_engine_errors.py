@@ -189,7 +189,7 @@ ENGINE_CORE_FAILED = (
 
 
 def fake_worker(path: Path, log: str, error: str | None = ENGINE_CORE_FAILED,
-                started: bool = False) -> Path:  # fmt: skip
+                started: bool = False) -> Path:
     """A stand-in for ``vllm_worker.py``: ready, then for the first job it writes ``log`` to
     stderr (the worker's log) while it starts an engine, which fails (or, ``started``, runs
     and the job fails): the worker reports ``error`` (by default vLLM's, which points to
@@ -241,7 +241,7 @@ def fake_worker(path: Path, log: str, error: str | None = ENGINE_CORE_FAILED,
         ),
     ],
     ids=["pointer-only", "exit-without-cause", "job-after-start"],
-)  # fmt: skip
+)
 def test_without_a_cause_in_the_log_the_sentence_keeps_what_there_is(
     tmp_path, monkeypatch, error, started, sentence
 ):
@@ -273,7 +273,7 @@ def test_eval_names_the_cause_of_an_engine_that_dies_at_start(target, tmp_path, 
         "eval", "--target", str(target), "--draft", str(draft), "--prompts", "chat[:1]",
         "-k", "2", "--concurrency", "1", "--max-new-tokens", "4", "--no-baseline",
         "--out", str(out),
-    ]  # fmt: skip
+    ]
     result = CliRunner().invoke(main, argv)
     line = error_line(result)
     assert "See root cause" not in result.output
@@ -296,7 +296,7 @@ def test_generate_data_names_the_cause_of_an_engine_that_dies_at_start(
         target=str(target_dir), prompts=str(write_prompt_rows(tmp_path / "p.jsonl")),
         output=str(out), backend="vllm", max_new_tokens=4, target_layer_ids=(1, 2, 3),
         draft_vocab_size=40,
-    )  # fmt: skip
+    )
     with pytest.raises(RuntimeError) as error:
         generate_data(config)
     assert str(error.value) == (
@@ -356,9 +356,9 @@ def cpu_machine(monkeypatch):
         (2, 1, {"VLLM_CPU_SIM_MULTI_NUMA": "1"}, None),
         (1, 0, {"VLLM_CPU_OMP_THREADS_BIND": "4|5"}, None),
     ],
-)  # fmt: skip
+)
 def test_cpu_parallel_sizes_follow_vllm_cpus_binding_rule(cpu_machine, size, nodes, env,
-                                                          sentence):  # fmt: skip
+                                                          sentence):
     cpu_machine(nodes, **env)
     if sentence is None:
         check_parallel_size(size)
@@ -404,7 +404,7 @@ def test_a_save_path_that_is_a_file_is_one_sentence(tmp_path):
     save = tmp_path / "save"
     save.write_text("mine")
     argv = ["train", "--verifier-name-or-path", str(tmp_path / "target"),
-            "--data-path", str(tmp_path / "data"), "--save-path", str(save)]  # fmt: skip
+            "--data-path", str(tmp_path / "data"), "--save-path", str(save)]
     assert error_line(CliRunner().invoke(main, argv)) == (
         f"Error: --save-path {save} is a file, not a directory; choose a new or empty "
         "directory, or the save path of the run to resume."

@@ -45,7 +45,7 @@ def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, 
         "eval", "--target", str(target), "--draft", str(draft), "--prompts", "chat[:2]",
         "-k", str(K + 1), "--max-new-tokens", "8", "--backend", "reference",
         "--concurrency", "1", "--out", str(tmp_path / "run"),
-    ]  # fmt: skip
+    ]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     assert "warning [depth]" in result.output and f"position {K + 1}" in result.output
@@ -115,7 +115,7 @@ def test_jsonl_prompt_formats(tmp_path):
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                       {"role": "assistant", "content": "dropped"}]},
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
-    ]  # fmt: skip
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     got = load_prompt_set(str(path)).conversations

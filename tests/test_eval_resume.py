@@ -40,7 +40,7 @@ class FakeWorker:
         histograms = [[r.randrange(5) for _ in range(k + 1)] for r in rngs] if k else None
         sizes = [r.randrange(1, job.max_tokens + 1) for r in rngs]
         on_event({"event": "progress", "done": len(sizes), "output_tokens": sum(sizes),
-                  "wall_s": 1.0, "counters": None})  # fmt: skip
+                  "wall_s": 1.0, "counters": None})
         engine, self.fresh = ({"k": k} if self.fresh else None), False
         return {
             "counters": SpecDecodeCounters.from_histograms(histograms).to_dict() if k else None,
@@ -81,7 +81,7 @@ def sweep(target, draft, out, fail_at=None, **overrides):
     and the jobs the worker ran (or the RuntimeError raised at job ``fail_at``)."""
     FakeWorker.jobs, FakeWorker.fail_at = [], fail_at
     settings = dict(target=str(target), drafts=(str(draft),), prompt_sets=SETS, ks=(1, 2),
-                    concurrency=(1, 2), max_new_tokens=8, output_dir=str(out))  # fmt: skip
+                    concurrency=(1, 2), max_new_tokens=8, output_dir=str(out))
     config = EvalConfig.from_sources(**{**settings, **overrides})
     if fail_at is not None:
         with pytest.raises(RuntimeError, match="engine core died"):
@@ -97,7 +97,7 @@ def saved(out: Path) -> list[list[tuple]]:
         [(c["num_speculative_tokens"] or 0, c["batch_size"], c["prompts"])
          for c in json.loads(line)["key"]["cells"]]
         for line in lines
-    ]  # fmt: skip
+    ]
 
 
 def comparable(record: dict) -> dict:
@@ -131,7 +131,7 @@ CASES = {
     "whole, crash at 6": (
         False, 6, [[(0, 1, 2)], [(0, 1, 3)], [(0, 2, 2)], [(0, 2, 3)], [(1, 1, 2)]], 7, {1, 2},
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -166,7 +166,7 @@ def test_a_line_cut_short_is_dropped_and_its_cell_measured_again(fake, target, t
     record, jobs = sweep(target, fake, out)
     assert [(j.num_speculative_tokens or 0, j.batch_size, len(j.prompts)) for j in jobs] == [
         (0, 2, 3), (1, 2, 2), (1, 2, 3), (2, 2, 2), (2, 2, 3)
-    ]  # fmt: skip
+    ]
     assert record["resumed_cells"] == 7
     lines = path.read_text().splitlines()
     assert len(lines) == 3 + 5 and all(json.loads(line) for line in lines)
@@ -190,7 +190,7 @@ def test_other_settings_or_another_draft_are_measured_again(fake, target, tmp_pa
     key = json.loads((out / CELLS_FILE).read_text().splitlines()[-1])["key"]["cells"][0]
     assert key["draft_sha256"] == report.checkpoint_hash(fake) and key["max_tokens"] == 8
     for name in ("prompt_set_sha256", "prompts_sha256", "target_config_sha256", "kv_cache_gb",
-                 "vllm", "dtype", "enforce_eager", "max_num_seqs", "batch_size"):  # fmt: skip
+                 "vllm", "dtype", "enforce_eager", "max_num_seqs", "batch_size"):
         assert name in key
 
 
@@ -213,7 +213,7 @@ def test_a_demo_rerun_after_an_eval_failure_measures_only_the_missing_cells(
     def eval_stage():
         stages = demo.Stages(layout.root, echo=lambda line: None)
         return demo._eval_stage(config, stages, layout, lambda line: None, target, "ckpt",
-                                "float32")  # fmt: skip
+                                "float32")
 
     # in turns: each set's c=1 no draft and K=2 (1 prompt each, jobs 1-4), then c=2 whole:
     # K0 a, K0 b, K2 a, K2 b; the crash on K2's first c=2 cell leaves 6 of the 8 cells

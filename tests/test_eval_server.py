@@ -25,7 +25,7 @@ REPO = Path(__file__).parent.parent
 
 
 def metrics_page(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int],
-                 engines: int = 1) -> str:  # fmt: skip
+                 engines: int = 1) -> str:
     """A /metrics page written by prometheus_client as vLLM's PrometheusStatLogger writes
     it: each counter labelled by engine and model, the per-position one also by position."""
     registry = CollectorRegistry()
@@ -36,7 +36,7 @@ def metrics_page(drafts: int, draft_tokens: int, accepted: int, per_pos: list[in
         for e in range(engines):
             counter.labels(str(e), "m").inc(value)
     per = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per pos",
-                  labels + ["position"], registry=registry)  # fmt: skip
+                  labels + ["position"], registry=registry)
     for e in range(engines):
         for pos, value in enumerate(per_pos):
             per.labels(str(e), "m", str(pos)).inc(value)
@@ -49,7 +49,7 @@ def metrics_page(drafts: int, draft_tokens: int, accepted: int, per_pos: list[in
 def test_counters_are_read_from_the_prometheus_page(engines):
     got = SpecDecodeCounters.from_prometheus(metrics_page(5, 15, 7, [4, 2, 1], engines))
     want = SpecDecodeCounters(5 * engines, 15 * engines, 7 * engines, [4 * engines, 2 * engines,
-                                                                      1 * engines])  # fmt: skip
+                                                                      1 * engines])
     assert got == want
     assert got.acceptance_length == pytest.approx(1 + 7 / 5)
 
@@ -142,7 +142,7 @@ def test_a_cell_on_a_server(fake_server, concurrency):
     assert result["outputs"] == [[5, 4, 3, 2], [8, 7, 6], [9]]
     assert result["output_tokens"] == 8 and len(seen) == 3 and seen[-1]["output_tokens"] == 8
     assert result["counters"] == {"num_drafts": 5, "num_draft_tokens": 10,
-                                  "num_accepted_tokens": 5, "accepted_per_pos": [5, 0]}  # fmt: skip
+                                  "num_accepted_tokens": 5, "accepted_per_pos": [5, 0]}
     assert len(result["time_per_output_token_s"]) == 2  # a one-token reply has no interval
     sent = FakeVllm.state["requests"][0]
     assert sent["temperature"] == 0.0 and sent["stop_token_ids"] == [0] and sent["stream"]
@@ -162,13 +162,13 @@ def test_an_unusable_server_is_one_sentence(url):
 
 def eval_servers(target, out, *args):
     argv = ["eval", "--target", target, "--prompts", "chat[:3]", "--max-new-tokens", "4",
-            "--concurrency", "1,2", "--out", str(out), *args]  # fmt: skip
+            "--concurrency", "1,2", "--out", str(out), *args]
     return CliRunner().invoke(main, argv)
 
 
 @pytest.mark.parametrize("labelled", [True, False])
 def test_eval_on_servers_gives_the_engines_table_record_and_plots(target, fake_servers,
-                                                                   tmp_path, labelled):  # fmt: skip
+                                                                   tmp_path, labelled):
     drafting, plain = fake_servers
     args = ["--server", drafting, "--server", plain]
     labels = ["drafted", "plain"]
@@ -218,7 +218,7 @@ def test_eval_on_servers_gives_the_engines_table_record_and_plots(target, fake_s
     ],
 )
 def test_servers_that_cannot_be_measured_are_one_sentence(target, fake_servers, tmp_path, case,
-                                                          sentence):  # fmt: skip
+                                                          sentence):
     drafting, plain = fake_servers
     two = ["--server", drafting, "--server", plain]
     args = {
@@ -242,7 +242,7 @@ def test_servers_that_cannot_be_measured_are_one_sentence(target, fake_servers, 
 
 @pytest.mark.slow
 def test_eval_on_real_servers_gives_our_engines_acceptance(tmp_path_factory, tmp_path,
-                                                           monkeypatch):  # fmt: skip
+                                                           monkeypatch):
     """Two `vllm serve` of a tiny target, with a trained P-EAGLE draft (K=3) and without:
     `eval --server` reads the acceptance our own engine measures on the same prompts
     (greedy, float32, one request in flight), the same replies, and the no-draft row."""
@@ -250,30 +250,30 @@ def test_eval_on_real_servers_gives_our_engines_acceptance(tmp_path_factory, tmp
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", last_core())
     target, draft, _ = trained_target_and_draft(tmp_path_factory.getbasetemp() / "trained-k3", 3)
     spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
-                       "parallel_drafting": True})  # fmt: skip
+                       "parallel_drafting": True})
 
     def serve_command(*extra):
         return lambda port: [
             sys.executable, "-m", "speculators_peagle_plugin", "vllm", "serve", target,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
             "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "2", *extra,
-        ]  # fmt: skip
+        ]
 
     cell = ["--target", target, "--prompts", "chat[:4]", "--max-new-tokens", "24",
-            "--concurrency", "1"]  # fmt: skip
+            "--concurrency", "1"]
     env = {"PYTHONPATH": str(REPO)}
     with (
         vllm_server(serve_command("--speculative-config", spec), tmp_path / "draft.log",
                     tmp_path, env) as drafting,
         vllm_server(serve_command(), tmp_path / "plain.log", tmp_path, env) as plain,
-    ):  # fmt: skip
+    ):
         served = CliRunner().invoke(main, ["eval", *cell, "--server", drafting, "--server", plain,
                                            "--label", "drafted", "--label", "plain",
-                                           "--out", str(tmp_path / "served")])  # fmt: skip
+                                           "--out", str(tmp_path / "served")])
     assert served.exit_code == 0, served.output
     assert "plain (" in served.output and "does not draft" in served.output
     engine = ["--draft", str(draft), "-k", "3", "--no-baseline", "--enforce-eager",
-              "--in-process", "--kv-cache-gb", "1"]  # fmt: skip
+              "--in-process", "--kv-cache-gb", "1"]
     ours = CliRunner().invoke(main, ["eval", *cell, *engine, "--out", str(tmp_path / "ours")])
     assert ours.exit_code == 0, ours.output
     runs = json.loads((tmp_path / "served" / "record.json").read_text())["runs"]
@@ -281,7 +281,7 @@ def test_eval_on_real_servers_gives_our_engines_acceptance(tmp_path_factory, tmp
     by_label = {r["label"]: r for r in runs}
     server, base = by_label["drafted"], by_label["plain"]
     print(f"acceptance: server {server['acceptance_length']:.4f} {server['per_position']}, "
-          f"engine {mine['acceptance_length']:.4f} {mine['per_position']}")  # fmt: skip
+          f"engine {mine['acceptance_length']:.4f} {mine['per_position']}")
     assert 1.2 < mine["acceptance_length"] < 4  # neither trivial nor perfect
     assert server["k"] == 3 and base["k"] == 0 and base["counters"] is None
     assert round(server["acceptance_length"], 2) == round(mine["acceptance_length"], 2)

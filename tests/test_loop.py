@@ -77,7 +77,7 @@ def run_subprocess(args, **kw):
     return subprocess.Popen(
         [sys.executable, "-m", "speculators_peagle_plugin", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
-    )  # fmt: skip
+    )
 
 
 def final_weights(save):
@@ -126,7 +126,7 @@ def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, part
         "--master_port", str(port), "-m", "speculators_peagle_plugin",
         *train_args(workdir, save, "--max-steps", "1", "--sequence-partitions", str(partitions)),
         *(["--fsdp"] if wrapper == "fsdp" else []),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -176,7 +176,7 @@ def test_two_ranks_leave_the_process_group_they_made(workdir, tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_port", "29541", str(script), json.dumps(config),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -23,7 +23,7 @@ SETTINGS = {  # a generate-data generation_settings.json, as much of it as the c
     "prompts": "runs/x/train_prompts.jsonl", "num_samples": 5, "temperature": 0.7,
     "max_new_tokens": 200, "backend": "vllm", "dtype": "bfloat16",
     "contamination": {"held_out": ["humaneval[120:164]", "mt_bench (every turn)"], "dropped": 3},
-}  # fmt: skip
+}
 RECIPE = {"num_layers": 1, "num_depths": 4, "lr": 0.001, "total_seq_len": 512}
 TRAINING = {"steps": 1234, "samples": 1100, "data": SETTINGS, "recipe": RECIPE}
 
@@ -51,9 +51,9 @@ def test_the_card_states_the_checkpoint_and_how_it_was_made(draft, target):
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert args[2] == target
     assert spec == {"method": "eagle3", "model": str(draft.resolve()), "parallel_drafting": True,
-                    "num_speculative_tokens": 3}  # fmt: skip
+                    "num_speculative_tokens": 3}
     facts = ("1100 samples", "runs/x/train_prompts.jsonl", "5 per prompt", "temperature 0.7",
-             "3 prompts dropped", "num_depths=4", "lr=0.001", "1234 optimizer steps")  # fmt: skip
+             "3 prompts dropped", "num_depths=4", "lr=0.001", "1234 optimizer steps")
     for fact in facts:
         assert fact in text, fact
     assert "Not evaluated yet" in text
@@ -90,7 +90,7 @@ def fake_record(draft):
                 "no draft", "k": k, "concurrency": 1, "acceptance_length": accept,
                 "per_position": [0.5, 0.2] if k else None, "counters": {"num_drafts": 9} if k
                 else None, "tokens_per_s": 30.0 if k else 20.0, "tpot_s": None,
-                "speedup": 1.5 if k else None}  # fmt: skip
+                "speedup": 1.5 if k else None}
 
     other = str(draft.parent / "other")
     return {
@@ -99,7 +99,7 @@ def fake_record(draft):
             "argv": ["speculators-peagle", "eval", "--draft", str(draft)],
             "versions": {"vllm": "0.32.0", "torch": None},
             "hardware": {"cpu": "Some CPU", "gpu": None},
-        },  # fmt: skip
+        },
         "config": {"dtype": "float32"},
         "drafts": [{"path": str(draft)}, {"path": other}],
         "runs": [run(None, None, None), run(str(draft), 2, 1.734), run(other, 2, 1.111)],

@@ -63,7 +63,7 @@ def test_an_online_step_equals_the_offline_step_on_the_same_rows(
     Aux id 4 of the 4-layer target is the state after the last layer, before the final
     norm: offline reads it from each sample's last slot, online captures it."""
     kw = {"seed": seed, "total_seq_len": seq_len, "sequence_partitions": partitions,
-          "target_layer_ids": layer_ids}  # fmt: skip
+          "target_layer_ids": layer_ids}
     offline = build_training(config_for(workdir, tmp_path / "off", **kw))
     online = build_training(online_config(workdir, tmp_path / "on", **kw))
     assert online.batches.data.online is not None and offline.batches.data.online is None
@@ -92,7 +92,7 @@ def test_the_ram_cache_serves_the_second_epoch_exactly(workdir, tmp_path):
     plain = build_training(online_config(workdir, tmp_path / "plain"))
     # a cap that holds some samples, not all: 64 hidden x 4 slots x 4 bytes per token
     cached = build_training(online_config(workdir, tmp_path / "ram", online_cache="ram",
-                                          online_cache_gib=300 * 1024 / 2**30))  # fmt: skip
+                                          online_cache_gib=300 * 1024 / 2**30))
     states = cached.batches.data.online
     cache, n = states.cache, cached.batches.data.num_samples
     assert 0 < cache.rows < n and cache.bytes <= 300 * 1024
@@ -135,7 +135,7 @@ def test_the_disk_cache_is_bfloat16_capped_and_the_same_in_every_epoch(workdir, 
     plain = build_training(online_config(workdir, tmp_path / "plain"))
     for got, want in zip(epoch1, epoch_batches(plain, 1), strict=True):
         torch.testing.assert_close(got["hidden_states"], want["hidden_states"],
-                                   rtol=1e-2, atol=1e-2)  # fmt: skip
+                                   rtol=1e-2, atol=1e-2)
     assert one_step(first, 1, 0)[1] == pytest.approx(one_step(plain, 1, 0)[1], rel=1e-2)
     # states of other settings are not reused
     key = json.loads((save / CACHE_DIR / CACHE_KEY_FILE).read_text())
@@ -169,10 +169,10 @@ def test_an_online_run_stopped_by_sigterm_resumes_to_the_same_weights(
 
     monkeypatch.setattr(loop, "append_record", record_then_sigterm)
     per_epoch = len(build_training(online_config(workdir, tmp_path / "n", total_seq_len=256))
-                    .batches)  # fmt: skip
+                    .batches)
     cap = str(150 * 1024 / 2**30)
     args = ("--max-steps", str(per_epoch + 2), "--online-cache", "disk", "--online-cache-gib",
-            cap, "--sequence-partitions", "2", "--total-seq-len", "256")  # fmt: skip
+            cap, "--sequence-partitions", "2", "--total-seq-len", "256")
     code, out = run_cli(online_args(workdir, tmp_path / "straight", *args))
     assert code == 0, out
     code, out = run_cli(online_args(workdir, tmp_path / "cut", *args))
@@ -191,7 +191,7 @@ def test_online_from_prompts_writes_no_hidden_states_and_generates_the_replies_o
 ):
     save = tmp_path / "save"
     args = online_args(workdir, save, "--max-steps", "2", "--max-new-tokens", "24",
-                       "--temperature", "1.0")  # fmt: skip
+                       "--temperature", "1.0")
     i = args.index("--data-path")
     args[i : i + 2] = ["--prompts", f"{workdir / 'prompts.jsonl'}[:6]"]
     code, out = run_cli(args)
@@ -225,7 +225,7 @@ def test_two_ranks_online_equal_one_offline_process_on_the_global_batch(workdir,
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_port", "29531", "-m", "speculators_peagle_plugin",
         *online_args(workdir, save, "--max-steps", "1", "--sequence-partitions", "2"),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

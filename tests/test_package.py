@@ -63,7 +63,7 @@ SEED_API = {
         "_PeaglePlan": ["units", "total_den"],
         "_kl_div_loss": ["logits", "target_logits"],
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("module", sorted(SEED_API))
@@ -131,7 +131,7 @@ def test_layers_import_only_downward():
     """A module of a layer imports only from the layers below it (docs/api.md)."""
     level = {"common": 0, "core": 1, "kernels": 2, "model": 3, "engine": 4, "serving": 4,
              "data": 4, "datagen": 5, "training": 6, "evaluation": 6, "selftest": 7,
-             "demo": 7}  # fmt: skip
+             "demo": 7}
     package = Path(speculators_peagle_plugin.__file__).parent
     wrong = []
     for path in package.rglob("*.py"):

@@ -35,7 +35,7 @@ def test_train_cli_refuses_an_unknown_algorithm(tmp_path):
         main,
         ["train", "--algorithm", "nope", "--verifier-name-or-path", str(tmp_path),
          "--data-path", str(tmp_path)],
-    )  # fmt: skip
+    )
     assert result.exit_code == 1
     assert "Unknown algorithm 'nope'; installed:" in result.output
 

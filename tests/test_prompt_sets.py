@@ -153,7 +153,7 @@ def test_a_mix_concatenates_its_sliced_parts_in_order_without_exact_duplicates(t
     mix = load_prompt_set("mt_bench[:2]+chat[:3]+mt_bench[1:3]")
     assert mix.name == "mt_bench[:2]+chat[:3]+mt_bench[1:3]"
     assert mix.conversations == [*mt_bench.conversations[:2], *chat.conversations[:3],
-                                 mt_bench.conversations[2]]  # fmt: skip
+                                 mt_bench.conversations[2]]
     assert mix.categories == (*mt_bench.categories[:2], None, None, None, mt_bench.categories[2])
     assert load_prompts("chat[:2]+chat[1:3]") == chat.conversations[:3]
 
@@ -163,7 +163,7 @@ def test_a_mix_concatenates_its_sliced_parts_in_order_without_exact_duplicates(t
     other = _write_jsonl(tmp_path / "other.jsonl", ["two", "three"])
     assert load_prompts(f"{other}+chat[:1]+{other}[::-1]") == [
         _user("two"), _user("three"), *chat.conversations[:1],
-    ]  # fmt: skip
+    ]
     assert prompt_source_exists(f"mbpp+{other}[1:]") and prompt_source_exists(plus)
     assert not prompt_source_exists(f"mbpp+{tmp_path / 'missing.jsonl'}")
     assert not prompt_source_exists("mbpp+")
@@ -206,7 +206,7 @@ def test_the_guard_drops_held_out_prompts_from_any_source(tmp_path):
         "Thanks. Now, rewrite your previous response. Start every sentence with the letter A.",
         {"messages": [_user("hi")[0], _user(gsm8k_question)[0]]},
         load_prompt_set("chat[120:121]").conversations[0][0]["content"],
-    ]  # fmt: skip
+    ]
     path = _write_jsonl(tmp_path / "train.jsonl", [*kept[:2], *planted, kept[2]])
     prompts, record = read_training_prompts(path)
     assert prompts == [_user(kept[0]), _user(kept[1]), _user(kept[2])]

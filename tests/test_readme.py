@@ -27,21 +27,21 @@ REPO = Path(__file__).parent.parent
 TARGET = "/models/Llama-3.1-8B-Instruct"
 CHECKPOINT = "ckpt/checkpoint-1000"
 TINY_TRAIN = ["--device", "cpu", "--dtype", "float32", "--max-steps", "2",
-              "--draft-vocab-size", "128", "--target-layer-ids", "1,2,3"]  # fmt: skip
+              "--draft-vocab-size", "128", "--target-layer-ids", "1,2,3"]
 EXTRA = {  # the flags each README command gets here
     "generate-data": ["--target-layer-ids", "1,2,3", "--max-new-tokens", "24"],
     "train": TINY_TRAIN,
     "torchrun": TINY_TRAIN,
     "check": [],
     "serve": ["--port", "{port}", "--max-model-len", "512", "--dtype", "float32",
-              "--enforce-eager", "--max-num-seqs", "4"],  # fmt: skip
+              "--enforce-eager", "--max-num-seqs", "4"],
     "eval": ["--max-new-tokens", "16", "--concurrency", "4", "--kv-cache-gb", "1",
-             "--in-process", "--enforce-eager", "--out", "{tmp}/eval"],  # fmt: skip
+             "--in-process", "--enforce-eager", "--out", "{tmp}/eval"],
     "selftest": ["--device", "cpu", "--quick", "--json", "{tmp}/selftest.json"],
     "bench_sampler": ["--sizes", "512", "--repeats", "1"],
     "bench_train_step": ["--seq-lens", "128", "--steps", "1", "--warmup", "0",
                          "--partition-curve-seq-len", "128", "--partitions", "2",
-                         "--long-seq-len", "0"],  # fmt: skip
+                         "--long-seq-len", "0"],
     "side_by_side": ["--steps", "2"],
     "ablate": ["--steps", "1", "--seeds", "0"],
     "profile_step": ["-k", "2", "--prompts", "humaneval[120:123]", "--warmup", "1",
@@ -99,7 +99,7 @@ def test_every_command_is_run():
 
 def test_make_targets_are_the_documented_ones():
     dry = subprocess.run(["make", "-n", "demo", "test"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+                         text=True, check=True).stdout
     assert "speculators-peagle demo" in dry
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in ci  # .ci/run is the README's test command
@@ -112,7 +112,7 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("readme")
     target = tiny_vllm_target(root / "target")
     prompts = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 9}."}]}
-               for i in range(12)]  # fmt: skip
+               for i in range(12)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     (root / "configs").symlink_to(REPO / "configs")  # the README runs from the repo root
     return root, target
@@ -129,9 +129,9 @@ def prepared(command: str, root: Path, target: str, **fill) -> list[str]:
 
 def run(words: list[str], root: Path, timeout: float = 900) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=str(REPO))  # fmt: skip
+               PYTHONPATH=str(REPO))
     done = subprocess.run(words, cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+                          timeout=timeout)
     assert done.returncode == 0, f"{shlex.join(words)}\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
     return done.stdout
 
@@ -193,9 +193,9 @@ def test_vllm_serve_command_drafts_in_parallel(trained):
     log = root / "serve.log"
     with vllm_server(lambda port: prepared(cmd, root, target, port=port), log, root) as base:
         body = json.dumps({"model": target, "prompt": "Count from 1 to 10.", "max_tokens": 24,
-                           "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+                           "temperature": 0, "ignore_eos": True}).encode()
         request = urllib.request.Request(f"{base}/v1/completions", body,
-                                         {"Content-Type": "application/json"})  # fmt: skip
+                                         {"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(request, timeout=300).read())
         assert reply["usage"]["completion_tokens"] == 24
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
@@ -215,7 +215,7 @@ def test_eval_command_measures_acceptance(trained):
     assert sorted({(r["prompt_set"], r["k"]) for r in drafted}) == [
         ("humaneval[120:122]", 2), ("humaneval[120:122]", 8), ("mt_bench[:2]", 2),
         ("mt_bench[:2]", 8),
-    ]  # fmt: skip
+    ]
     assert {r["concurrency"] for r in drafted} == {4}
     assert {r["engine"]["compilation_mode"] for r in record["runs"] if r["engine"]} == {"NONE"}
     assert "measured on uncompiled engines" in out  # its speedups are not vllm serve's
@@ -260,11 +260,11 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
     real (SmolLM2 data, training, check, vLLM eval), then the side-by-side on its outputs."""
     run_dir = tmp_path / "demo"
     out = run([sys.executable, "-m", "speculators_peagle_plugin", "demo", "--quick",
-               "--run-dir", str(run_dir)], REPO, timeout=2400)  # fmt: skip
+               "--run-dir", str(run_dir)], REPO, timeout=2400)
     summary = json.loads((run_dir / "demo.json").read_text())
     assert list(summary["stage_seconds"]) == [
         "target", "prompts", "data", "train", "drafts", "check", "eval"
-    ]  # fmt: skip
+    ]
     record = json.loads(Path(summary["record"]).read_text())
     assert {r["label"] for r in record["runs"]} == {"trained-draft", "no draft"}
     assert {(r["k"], r["concurrency"]) for r in record["runs"]} == {(0, 1), (0, 2), (2, 1), (2, 2)}
@@ -287,11 +287,11 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
     words[words.index("-m") - 1] = sys.executable
     heldout = summary["config"]["eval_prompts"][0]
     out = run([*words, "--demo-dir", str(run_dir), "--out", str(tmp_path / "ablate"),
-               "--heldout", heldout], REPO, timeout=2400)  # fmt: skip
+               "--heldout", heldout], REPO, timeout=2400)
     record = json.loads((tmp_path / "ablate" / "ablation.json").read_text())
     assert [(c["variant"], c["seed"], c["steps"]) for c in record["cells"]] == [
         ("baseline", 0, 1), ("hard50", 0, 1)
-    ]  # fmt: skip
+    ]
     for cell in record["cells"]:
         assert set(cell["served"]) == set(summary["config"]["eval_prompts"])
         assert list(cell["heldout"]) == [heldout] and cell["peak_rss_gib"] > 0

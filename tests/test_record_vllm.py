@@ -73,7 +73,7 @@ def recorded(tmp_path_factory, target):
         "--max-new-tokens", "16", "--batch-size", "2", "--temperature", "0.8",
         "--num-samples", "3", "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
         "--draft-vocab-size", "64", "--kv-cache-gb", "1",
-    ]  # fmt: skip
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build_data, "write_hidden_states", no_transformers_capture)
         patch.setattr(build_data, "write_hidden_states_vllm", nothing_left)
@@ -158,7 +158,7 @@ def test_generation_needs_the_vllm_backend(target, tmp_path):
             "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
             str(tmp_path / "out"), "--hidden-states-from", "generation",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code != 0
     assert "needs backend vllm" in result.output
     assert not (tmp_path / "out").exists()
@@ -212,7 +212,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
     config = DataGenConfig.from_sources(
         target=str(target), prompts=str(prompts), output=str(tmp_path / "out"),
         backend="vllm", hidden_states_from="generation",
-    )  # fmt: skip
+    )
     model = Target(config)
     model.vllm = FakeWorker()
     record = {"dir": str(tmp_path / "rec"), "layer_ids": [1, 4]}

@@ -19,7 +19,7 @@ from eval import scaling  # noqa: E402
 TINY_YAML = {
     "algorithm": "peagle", "draft_vocab_size": 40, "num_depths": 3, "total_seq_len": 96,
     "lr": 0.01, "checkpoint_freq": 0.5, "early_stop_patience": 2, "dtype": "float32",
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_one_run_keeps_exactly_the_requested_steps_on_one_schedule(run_dir, tmp_
 
     target = scaling.run_inputs(run_dir)["target"]
     args = ["--config", str(yaml_path), "--verifier-name-or-path", target,
-            "--data-path", str(data), "--seed", "1"]  # fmt: skip
+            "--data-path", str(data), "--seed", "1"]
     save = scaling.train_cell(tmp_path / "cell", plan, args, [4, 12], runner)
     assert sorted(p.name for p in save.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-4"]
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
@@ -176,7 +176,7 @@ class FakeCli:
         plan = {"epochs": int(self._opt(args, "--epochs")), "steps_per_epoch": per_epoch,
                 "max_steps": int(self._opt(args, "--max-steps")),
                 "checkpoint_freq": float(self._opt(args, "--checkpoint-freq")),
-                "keep_checkpoints": int(self._opt(args, "--keep-checkpoints"))}  # fmt: skip
+                "keep_checkpoints": int(self._opt(args, "--keep-checkpoints"))}
         total, kept = checkpoints_of_loop(plan)
         for step in kept:
             ckpt = save / f"checkpoint-{step}"
@@ -186,7 +186,7 @@ class FakeCli:
         (save / "metrics.jsonl").write_text("".join(
             json.dumps({"step": s, "tokens": 90.0, "tokens_per_s": 900.0}) + "\n"
             for s in range(1, total + 1)
-        ))  # fmt: skip
+        ))
 
     def _eval(self, args):
         out, draft = Path(self._opt(args, "--out")), Path(self._opt(args, "--draft"))
@@ -210,7 +210,7 @@ class FakeCli:
                       "acceptance_length": 1 + step / 10 + layers / 100 + i / 1000,
                       "per_position": [0.5, 0.3, 0.2, 0.1]}
                      for i, s in enumerate(sets)],
-        }  # fmt: skip
+        }
         out.mkdir(parents=True, exist_ok=True)
         (out / "record.json").write_text(json.dumps(record))
 
@@ -222,7 +222,7 @@ def heldout(monkeypatch):
     def fake(checkpoint, config, data_path):
         calls.append((Path(checkpoint).name, config.draft.num_layers, config.seed, str(data_path)))
         return {"acceptance_length": 1.5, "accuracy_per_depth": [0.5, 0.2, 0.1], "loss": 2.0,
-                "supervised": [1, 1, 1]}  # fmt: skip
+                "supervised": [1, 1, 1]}
 
     monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics", fake)
     return calls
@@ -233,7 +233,7 @@ def grid_args(run_dir, out, *extra):
         "--run-dir", str(run_dir), "--prompts", "5,16", "--steps", "2,4", "--num-layers", "1,2",
         "--seeds", "0", "--config", str(run_dir.parent / "tiny.yaml"), "--out", str(out),
         "--report", str(out.parent / "report"), *extra,
-    ])  # fmt: skip
+    ])
 
 
 def test_finished_cells_and_points_are_not_redone(run_dir, tmp_path, heldout, capsys):
@@ -284,7 +284,7 @@ def test_record_plot_and_tables_from_points(tmp_path):
         return {"prompts": prompts, "layers": layers, "seed": seed, "step": step,
                 "served": {"humaneval[120:164]": {"acceptance_length": served},
                            "mt_bench": {"acceptance_length": served - 0.2}},
-                "heldout": {"acceptance_length": served + 0.1}}  # fmt: skip
+                "heldout": {"acceptance_length": served + 0.1}}
 
     points = [point(220, 1, 42, s, 1.5 + s / 1000) for s in (500, 1000)]
     points += [point(4430, 2, seed, 1000, 2.0 + seed / 100) for seed in (0, 1, 2)]

@@ -51,7 +51,7 @@ def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path
         [sys.executable, "-m", "speculators_peagle_plugin", "selftest", "--device", "cpu",
          "--quick", "--json", str(record)],
         env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
-    )  # fmt: skip
+    )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     lines = out.splitlines()
@@ -59,7 +59,7 @@ def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path
     for name in ("attention chunked float32", "attention chunked bfloat16",
                  "training step float32", "training step bfloat16",
                  "partitioned step == flat step", "step ours 256 tokens",
-                 "step speculators 256 tokens"):  # fmt: skip
+                 "step speculators 256 tokens"):
         assert f"PASS {name}: " in out, name
     assert "SKIP torchrun DDP: --quick" in out and "FAIL" not in out
     assert any(line.startswith("ratio 256 tokens: ours ") for line in lines)
@@ -142,7 +142,7 @@ def context_cut(units):
     ("fused_linear_kl", scaled_kl, "training step float32"),
     ("row_units", context_cut, "partitioned step == flat step"),
     (None, None, None),  # nothing planted: nothing fails
-])  # fmt: skip
+])
 def test_a_planted_wrong_loss_or_plan_fails_its_step_check(monkeypatch, name, plant, fails):
     """A loss 0.1% too large (inside bfloat16's tolerance), or segments that read too
     little context (the flat step is right): the check meant for it FAILs, alone."""
@@ -159,7 +159,7 @@ def test_a_planted_wrong_loss_or_plan_fails_its_step_check(monkeypatch, name, pl
     (["--seq-lens", "4096,8"], "give row lengths of 16 tokens or more."),
     (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: its directory does not"),
     (["--shape", "llama70b"], "Invalid value for '--shape'"),
-])  # fmt: skip
+])
 def test_bad_input_is_one_sentence_and_exit_code_not_zero(args, message):
     if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

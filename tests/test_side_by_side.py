@@ -29,7 +29,7 @@ def spec(tmp_path_factory):
     return {
         "target": str(root / "target"), "data": str(root / "data"), "config": str(config),
         "steps": 4, "out": str(root / "out"), "threads": 1,
-    }  # fmt: skip
+    }
 
 
 def test_both_sides_train_the_same_draft_alike(spec):
@@ -108,7 +108,7 @@ def test_theirs_draft_speculators_is_the_draft_speculators_train_builds(spec, tm
     builtin = dict(each, out=str(tmp_path / "builtin"), theirs_draft="speculators")
     theirs = side_by_side.train_theirs(builtin)
     torch.testing.assert_close(torch.tensor(same["losses"]), torch.tensor(ours["losses"]),
-                               rtol=1e-4, atol=1e-7)  # fmt: skip
+                               rtol=1e-4, atol=1e-7)
     assert abs(theirs["losses"][0] - ours["losses"][0]) > 1e-3  # another initial draft
 
     def kv_heads(side):
@@ -132,7 +132,7 @@ def test_both_sides_train_alike_under_autocast(spec, tmp_path):
     for name, cfg in (("float32", spec["config"]), ("bfloat16", str(config))):
         each = dict(spec, config=cfg, out=str(tmp_path / name), steps=2)
         runs[name] = [torch.tensor(side(each)["losses"])
-                      for side in (side_by_side.train_ours, side_by_side.train_theirs)]  # fmt: skip
+                      for side in (side_by_side.train_ours, side_by_side.train_theirs)]
     (ours32, theirs32), (ours16, theirs16) = runs["float32"], runs["bfloat16"]
     torch.testing.assert_close(ours16, theirs16, rtol=5e-3, atol=0)
     for low, full in ((ours16, ours32), (theirs16, theirs32)):
@@ -151,11 +151,11 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
     (demo / "data").mkdir(parents=True)
     stages = {"target": {"outputs": {"path": "/models/target"}},
               "data": {"inputs": {"dtype": "bfloat16"},
-                       "outputs": {"path": "runs/demo/data"}}}  # fmt: skip
+                       "outputs": {"path": "runs/demo/data"}}}
     (demo / "stages.json").write_text(json.dumps(stages))
     config = {"train_config": "configs/demo.yaml", "max_steps": None, "max_new_tokens": 16,
               "eval_max_new_tokens": 8, "eval_concurrency": [1, 2], "kv_cache_gb": 1,
-              "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}  # fmt: skip
+              "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}
     (demo / "demo.json").write_text(json.dumps({"config": config}))
     (tmp_path / "elsewhere" / "runs" / "demo" / "data").mkdir(parents=True)  # a decoy
     monkeypatch.chdir(tmp_path / "elsewhere")

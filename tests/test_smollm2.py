@@ -220,7 +220,7 @@ def test_greedy_reply_makes_sense(smollm2):
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=False,
-    )  # fmt: skip
+    )
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     reply = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in reply, reply

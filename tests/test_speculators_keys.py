@@ -69,7 +69,7 @@ def speculators_yaml(workdir, save, **more) -> str:
         "hidden_states_dtype": "float32", "num_depths": 3, "down_sample_ratio": 0.6,
         "max_anchors": 64, "log_freq": 2, "checkpoint_freq": 0.5, "num_workers": 2,
         "loss_implementation": "eager", "logger": "", **more,
-    }  # fmt: skip
+    }
     return dump_yaml(SpeculatorsConfig.from_flat(flat))
 
 
@@ -91,10 +91,10 @@ def test_a_speculators_run_yaml_trains_unchanged(workdir, tmp_path):
 
 def test_our_flat_and_sectioned_yaml_still_load(workdir, tmp_path):
     flat = {"verifier_name_or_path": str(workdir / "target"), "data_path": "d",
-            "lr": 0.02, "fsdp": True, "keep_checkpoints": 2}  # fmt: skip
+            "lr": 0.02, "fsdp": True, "keep_checkpoints": 2}
     grouped = {"verifier": {"verifier_name_or_path": str(workdir / "target")},
                "data": {"data_path": "d"}, "optimizer": {"lr": 0.02},
-               "runtime": {"fsdp": True}, "trainer": {"keep_checkpoints": 2}}  # fmt: skip
+               "runtime": {"fsdp": True}, "trainer": {"keep_checkpoints": 2}}
     for i, mapping in enumerate((flat, grouped)):
         (tmp_path / f"{i}.yaml").write_text(yaml.safe_dump(mapping))
     assert TrainConfig.from_sources(tmp_path / "0.yaml") == TrainConfig.from_sources(
@@ -112,7 +112,7 @@ def test_our_flat_and_sectioned_yaml_still_load(workdir, tmp_path):
     ("speculator_type", "eagle3", "speculators key speculator_type: 'eagle3' in RUN is not "
      "taken here (this command trains P-EAGLE drafts (--algorithm)); leave it out or give "
      "peagle."),
-])  # fmt: skip
+])
 def test_a_value_we_do_not_take_is_one_sentence(workdir, tmp_path, key, value, message):
     """speculators' defaults are left out of its run.yaml: a user writes them by hand."""
     mapping = yaml.safe_load(speculators_yaml(workdir, tmp_path / "save"))

@@ -40,7 +40,7 @@ def test_tensorboard_event_files_hold_the_metrics_log(workdir, tmp_path):
         workdir, tmp_path / "save", "--max-steps", "6", "--checkpoint-freq", "0.3",
         "--validation-data-path", str(workdir / "data"), "--logger", "tensorboard",
         "--log-dir", str(logs), "--run-name", "run-{rank}",
-    ))  # fmt: skip
+    ))
     assert code == 0, out
     assert (logs / "run-0").is_dir()
     got = scalars(logs)
@@ -74,19 +74,19 @@ def test_without_logger_no_tracker_file_is_written(workdir, tmp_path, monkeypatc
     ("tensorbord", "logger must be a comma-separated list of tensorboard, wandb, trackio, "
                    "mlflow, got 'tensorbord'."),
     ("tensorboard,,comet", "logger must be a comma-separated list of"),
-])  # fmt: skip
+])
 def test_unknown_tracker_is_one_sentence(value, message):
     with pytest.raises(ValueError, match=message):
         LoggingConfig(logger=value)
 
 
 def test_tracker_without_its_package_is_one_sentence_before_training(workdir, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+                                                                     monkeypatch):
     real = trackers.importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec",
-                        lambda name: None if name == "wandb" else real(name))  # fmt: skip
+                        lambda name: None if name == "wandb" else real(name))
     code, out = run_cli(train_args(workdir, tmp_path / "save", "--max-steps", "1",
-                                   "--logger", "tensorboard,wandb"))  # fmt: skip
+                                   "--logger", "tensorboard,wandb"))
     assert code == 1
     assert out.strip().splitlines()[-1] == (
         "Error: --logger wandb needs the wandb package, which is not installed "

@@ -25,7 +25,7 @@ from speculators_peagle_plugin.training.validation import BEST_DIR, VALIDATION_F
 # 0.75 training share (12 samples) into 7.
 EVERY_2 = ("--epochs", "100", "--checkpoint-freq", "0.2", "--keep-checkpoints", "10")
 SPLIT_EVERY_2 = ("--epochs", "100", "--checkpoint-freq", "0.3", "--keep-checkpoints", "10",
-                 "--train-data-ratio", "0.75")  # fmt: skip
+                 "--train-data-ratio", "0.75")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def warmup_of(curve: list[float]) -> int:
 
 
 @pytest.mark.parametrize(("ratio", "total"), [(0.25, 40), (0.35, 10), (0.3, 7), (0.0, 20),
-                                              (1.0, 8)])  # fmt: skip
+                                              (1.0, 8)])
 def test_the_warmup_ratio_gives_speculators_warmup(ratio, total):
     from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
 
@@ -82,7 +82,7 @@ def test_the_warmup_ratio_gives_speculators_warmup(ratio, total):
 
 def test_warmup_steps_beside_a_ratio_win_with_one_warning_line(caplog):
     config = SchedulerConfig(scheduler_type="none", scheduler_warmup_steps=3,
-                             scheduler_warmup_ratio=0.5)  # fmt: skip
+                             scheduler_warmup_ratio=0.5)
     with caplog.at_level(logging.WARNING):
         assert warmup_of(lr_curve(config, 20)) == 3
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -92,7 +92,7 @@ def test_warmup_steps_beside_a_ratio_win_with_one_warning_line(caplog):
 def test_a_run_warms_up_over_its_ratio_of_the_steps(workdir, tmp_path):
     code, out = run_cli(train_args(workdir, tmp_path, "--max-steps", "8", "--epochs", "100",
                                    "--scheduler-type", "none",
-                                   "--scheduler-warmup-ratio", "0.5"))  # fmt: skip
+                                   "--scheduler-warmup-ratio", "0.5"))
     assert code == 0, out
     lrs = [r["lr"] for r in lines(tmp_path / METRICS_FILE)]  # after steps 1..8
     assert lrs == pytest.approx([0.01 * min(1, s / 4) for s in range(1, 9)])  # warmup 4
@@ -212,10 +212,10 @@ def test_packed_rows_hold_the_training_samples_once_per_epoch_on_every_rank(work
     train, held = split_samples(data, 0.75, 3)
     for world_size in (1, 2):
         batches = [PackedBatches(data, 96, seed=3, samples=train, rank=r, world_size=world_size)
-                   for r in range(world_size)]  # fmt: skip
+                   for r in range(world_size)]
         for epoch in range(3):
             packed = [i for b in batches for s in range(len(b))
-                      for i in b.step_samples(epoch, s)]  # fmt: skip
+                      for i in b.step_samples(epoch, s)]
             assert sorted(packed) == list(train)
 
 
@@ -270,7 +270,7 @@ def test_held_out_rows_are_scored_like_validation_data_and_the_best_kept(workdir
 def test_save_best_false_scores_every_checkpoint_and_keeps_no_best(workdir, tmp_path):
     save = tmp_path / "run"
     code, out = run_cli(train_args(workdir, save, "--max-steps", "4", *SPLIT_EVERY_2,
-                                   "--no-save-best"))  # fmt: skip
+                                   "--no-save-best"))
     assert code == 0, out
     assert [r["step"] for r in lines(save / VALIDATION_FILE)] == [2, 4]
     assert not (save / BEST_DIR).exists()

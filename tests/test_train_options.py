@@ -85,7 +85,7 @@ def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, 
     from speculators.model import SpeculatorModel
 
     code, out = run_cli(train_args(workdir, tmp_path, "--max-steps", "1",
-                                   "--num-key-value-heads", "4"))  # fmt: skip
+                                   "--num-key-value-heads", "4"))
     assert code == 0, out
     final = tmp_path / f"{CHECKPOINT_PREFIX}1"
     layer = json.loads((final / "config.json").read_text())["transformer_layer_config"]
@@ -125,13 +125,13 @@ def test_more_depths_trained_than_served_and_a_hard_label_loss(workdir, tmp_path
 
     def depth_warnings(k):
         findings = check_checkpoint(final, workdir / "target", num_speculative_tokens=k,
-                                    device="any", scan_values=False)  # fmt: skip
+                                    device="any", scan_values=False)
         return [f for f in findings if f.code == "depth"]
 
     assert depth_warnings(3) == [] and len(depth_warnings(4)) == 1
     assert "past the 3 depths" in depth_warnings(4)[0].message
     module = build_training(config_for(workdir, tmp_path / "knobs", hard_label_weight=0.25,
-                                       tv_weight=0.75, greedy_chains=True)).module  # fmt: skip
+                                       tv_weight=0.75, greedy_chains=True)).module
     loss, greedy = module.loss_config, module.peagle.greedy_chains
     assert (loss.hard_label_weight, loss.tv_weight, greedy) == (0.25, 0.75, True)
     assert not build_training(config_for(workdir, tmp_path / "plain")).module.peagle.greedy_chains
@@ -145,7 +145,7 @@ def test_heldout_metrics_are_exact_under_partitioning_and_follow_training(workdi
 
     for steps in ("1", "20"):
         code, out = run_cli(train_args(workdir, tmp_path / steps, "--max-steps", steps,
-                                       "--epochs", "100"))  # fmt: skip
+                                       "--epochs", "100"))
         assert code == 0, out
     config = config_for(workdir, tmp_path / "unused")
     early, late = (checkpoint_dirs(tmp_path / s)[-1] for s in ("1", "20"))
@@ -186,9 +186,9 @@ def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_de
     # the data's aux ids are (1, 2, 3): draft layer 0 starts as verifier layer 3, and
     # 4 key/value heads over the verifier's 2 serve the query heads the verifier's did
     kw = {"num_key_value_heads": 4, "seed": 3 + seed,
-          "verifier_name_or_path": str(tmp_path / "target")}  # fmt: skip
+          "verifier_name_or_path": str(tmp_path / "target")}
     made = {init: build_training(config_for(workdir, tmp_path / init, draft_init=init, **kw))
-            for init in ("verifier", "random")}  # fmt: skip
+            for init in ("verifier", "random")}
     draft, plain = made["verifier"].draft, made["random"].draft
     verifier = target.model.layers[3]
     ours, attn, theirs = draft.layers[0], draft.layers[0].self_attn, verifier.self_attn
@@ -213,7 +213,7 @@ def test_draft_init_verifier_starts_the_draft_as_the_verifier_layer_after_the_de
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             assert torch.equal(mine[:, :64], value[:, :64]), name
         elif not name.startswith(("fc.", "layers.0.mlp", "layers.0.self_attn.o_proj",
-                                  "layers.0.hidden_norm", "layers.0.post_attention")):  # fmt: skip
+                                  "layers.0.hidden_norm", "layers.0.post_attention")):
             assert torch.equal(mine, value), name
 
 
@@ -224,7 +224,7 @@ def test_the_state_after_the_last_layer_is_an_aux_layer_a_draft_can_read(workdir
     from speculators_peagle_plugin.training.heldout import heldout_metrics
 
     config = config_for(workdir, tmp_path / "run", target_layer_ids=(1, 2, 3, 4),
-                        draft_init="verifier", max_steps=2)  # fmt: skip
+                        draft_init="verifier", max_steps=2)
     setup = build_training(config)
     fc = setup.draft.fc.weight  # [H, 4H]: id 3 passes (verifier layer 3 reads it), id 4 at zero
     assert fc.shape == (64, 256) and torch.equal(fc[:, 128:192], torch.eye(64))
@@ -236,7 +236,7 @@ def test_the_state_after_the_last_layer_is_an_aux_layer_a_draft_can_read(workdir
     same = (docs[1:] == docs[:-1]) & (docs[1:] >= 0)
     assert same.sum() > 20 and torch.equal(aux4[1:][same], last[:-1][same])
     code, out = run_cli(train_args(workdir, tmp_path / "cli", "--max-steps", "2",
-                                   "--target-layer-ids", "1,2,3,4"))  # fmt: skip
+                                   "--target-layer-ids", "1,2,3,4"))
     assert code == 0, out
     final = checkpoint_dirs(tmp_path / "cli")[-1]
     saved = json.loads((final / "config.json").read_text())
@@ -244,7 +244,7 @@ def test_the_state_after_the_last_layer_is_an_aux_layer_a_draft_can_read(workdir
     # vLLM's llama draft sizes fc for 3 aux layers unless the layer config says 4
     assert saved["transformer_layer_config"]["num_aux_hidden_states"] == 4
     findings = check_checkpoint(final, workdir / "target", num_speculative_tokens=3,
-                                device="any", scan_values=False)  # fmt: skip
+                                device="any", scan_values=False)
     assert not [f for f in findings if f.code.startswith(("layer", "aux"))], findings
     held = heldout_metrics(final, config, workdir / "data", seed=5)
     assert held["supervised"][0] > 0 and 0 < held["accuracy_per_depth"][0] <= 1
@@ -252,10 +252,10 @@ def test_the_state_after_the_last_layer_is_an_aux_layer_a_draft_can_read(workdir
 
 def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
     line = refused(workdir, tmp_path / "a", workdir / "data", "--draft-init", "verifier",
-                   "--num-layers", "2")  # fmt: skip
+                   "--num-layers", "2")
     assert "copies verifier layers 3..4 (after aux id 3)" in line and "layers.4" in line, line
     line = refused(workdir, tmp_path / "b", workdir / "data", "--draft-init", "verifier",
-                   "--num-key-value-heads", "1")  # fmt: skip
+                   "--num-key-value-heads", "1")
     assert "k_proj heads (1) to be a multiple of the verifier's (2)" in line, line
     # a verifier whose layer lacks a tensor the copy needs is refused, not half-copied
     partial = tmp_path / "partial"
@@ -268,7 +268,7 @@ def test_draft_init_verifier_refuses_what_it_cannot_copy(workdir, tmp_path):
     code, out = run_cli(args)
     assert code == 1 and "has no layers.3.self_attn.o_proj.weight" in out, out
     code, out = run_cli(train_args(workdir, tmp_path / "c", "--max-steps", "2",
-                                   "--draft-init", "verifier"))  # fmt: skip
+                                   "--draft-init", "verifier"))
     assert code == 0, out
 
 
@@ -279,7 +279,7 @@ def test_a_verifier_of_another_hidden_size_is_refused(workdir, tmp_path):
     LlamaForCausalLM(
         LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=16, num_hidden_layers=4, vocab_size=96)
-    ).save_pretrained(other)  # fmt: skip
+    ).save_pretrained(other)
     tiny_tokenizer().save_pretrained(other)
     args = train_args(workdir, tmp_path / "out", "--max-steps", "1")
     args[args.index("--verifier-name-or-path") + 1] = str(other)

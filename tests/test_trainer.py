@@ -35,14 +35,14 @@ def float64_norms(monkeypatch):
 def packed_batch(seed, batch=2, seq_len=61, n_docs=3, pad=7, dtype=torch.float64):
     """Ragged packed rows with padding (document ids -1), random supervision."""
     return rows.packed_batch(seed, vocab=TARGET_VOCAB, aux_width=192, hidden=64, batch=batch,
-                             seq_len=seq_len, n_docs=n_docs, pad=pad, dtype=dtype)  # fmt: skip
+                             seq_len=seq_len, n_docs=n_docs, pad=pad, dtype=dtype)
 
 
 def trainer(draft, ids, t2d, partitions=1, seed=0, **kw):
     return PEagleTrainerModule(
         draft, ids, t2d, K, MASK_TOKEN, 0.8, 0.3, partitions,
         generator=torch.Generator().manual_seed(seed), **kw,
-    )  # fmt: skip
+    )
 
 
 def grads(module):
@@ -102,7 +102,7 @@ def dense_reference_loss(module, batch):
         anchor, depth = generate_cod_sample_indices(
             doc.shape[0], batch["loss_mask"][b], K, 0.8, 0.3,
             document_ids=doc, generator=module.generator,
-        )  # fmt: skip
+        )
         lengths = lengths_from_document_ids(doc)
         samples.append((anchor, depth, dense_peagle_mask(anchor, depth, lengths, doc.shape[0])))
     return dense_loss(module.draft, batch, samples, MASK_TOKEN)
@@ -220,7 +220,7 @@ def test_mask_hidden_gets_gradient_and_target_logits_path_agrees():
     again = module(
         batch["input_ids"], None, batch["loss_mask"], batch["hidden_states"], full,
         document_ids=batch["document_ids"],
-    )  # fmt: skip
+    )
     torch.testing.assert_close(again.loss, m.loss, rtol=1e-12, atol=0)
 
 
@@ -278,7 +278,7 @@ def test_greedy_chains_keep_only_rollouts_on_the_targets_greedy_path(seed):
         anchor, depth = generate_cod_sample_indices(
             batch["loss_mask"].shape[1], batch["loss_mask"][b], K, 0.8, 0.3,
             document_ids=batch["document_ids"][b], generator=gen, path_mask=want[b],
-        )  # fmt: skip
+        )
         drawn = set(zip(anchor.tolist(), depth.tolist(), strict=True))
         got = set()
         for u in (u for u in plan.units if u.b == b):

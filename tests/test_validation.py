@@ -26,7 +26,7 @@ def test_every_checkpoint_is_scored_on_the_held_out_data_and_the_best_is_kept(wo
     save = tmp_path / "run"
     code, out = run_cli(train_args(workdir, save, "--epochs", "2", "--checkpoint-freq", "0.5",
                                    "--keep-checkpoints", "10",
-                                   "--validation-data-path", str(workdir / "data")))  # fmt: skip
+                                   "--validation-data-path", str(workdir / "data")))
     assert code == 0, out
     checkpoints = checkpoint_dirs(save)
     found = records(save)
@@ -50,7 +50,7 @@ def scripted(monkeypatch, acceptances):
     def fake(checkpoint, config, data_path, *, seed=0, samples=None):
         calls.append(checkpoint.name)
         return {"loss": 1.0, "accuracy_per_depth": [0.5], "supervised": [1],
-                "acceptance_length": acceptances[len(calls) - 1]}  # fmt: skip
+                "acceptance_length": acceptances[len(calls) - 1]}
 
     monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics", fake)
     return calls
@@ -62,7 +62,7 @@ def test_training_stops_after_patience_checkpoints_without_a_better_one(
     save = tmp_path / "run"
     args = train_args(workdir, save, "--epochs", "10", "--checkpoint-freq", "0.5",
                       "--keep-checkpoints", "10", "--validation-data-path", str(workdir / "data"),
-                      "--early-stop-patience", "2")  # fmt: skip
+                      "--early-stop-patience", "2")
     calls = scripted(monkeypatch, [1.2, 1.4, 1.3, 1.4, 1.1, 2.0])
     code, out = run_cli(args)
     assert code == 0, out

@@ -117,5 +117,5 @@ def test_the_plugin_is_a_vllm_general_plugin():
     (plugin,) = [
         e for e in entry_points(group="vllm.general_plugins")
         if e.value.startswith("speculators_peagle_plugin")
-    ]  # fmt: skip
+    ]
     assert plugin.load() is register

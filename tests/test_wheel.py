@@ -41,7 +41,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     for build in ("build_wheel", "build_sdist"):  # one process each: setuptools keeps state
         code = f"import sys; from setuptools import build_meta; build_meta.{build}(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, dist], cwd=src, capture_output=True,
-                       check=True)  # fmt: skip
+                       check=True)
     (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
     return {"wheel": wheel, "sdist": sdist, "tmp": tmp}
 
@@ -51,7 +51,7 @@ def test_the_wheel_holds_every_file_the_package_tracks(built):
     package_files = {name for name in tracked_files() if name.startswith(PACKAGE + "/")}
     assert package_files <= names, sorted(package_files - names)
     assert any(name.startswith(PACKAGE + "/data/prompts/") and name.endswith(".jsonl")
-               for name in names)  # fmt: skip
+               for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(built["wheel"]).read(entry_points).decode()
     for group in ("[console_scripts]", "[speculators.algorithms]", "[vllm.general_plugins]"):
@@ -73,9 +73,9 @@ def fresh_env(built) -> Path:
     venv.EnvBuilder(with_pip=False).create(env)
     python = env / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-                    "--no-deps", "--no-index", str(built["wheel"])], check=True)  # fmt: skip
+                    "--no-deps", "--no-index", str(built["wheel"])], check=True)
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+                          capture_output=True, text=True, check=True).stdout.strip()
     (Path(site) / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
     return env
 
@@ -84,7 +84,7 @@ def run_in(env: Path, *args: str) -> str:
     """Run ``args`` (a script of ``env``, or its python) away from the checkout."""
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     out = subprocess.run([str(env / "bin" / args[0]), *args[1:]], cwd=env, env=clean,
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

@@ -15,7 +15,7 @@ def tiny_target(path, seed=0):
     config = LlamaConfig(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_hidden_layers=4, vocab_size=TARGET_VOCAB, max_position_embeddings=4096,
-    )  # fmt: skip
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
@@ -30,11 +30,11 @@ def tiny_config(
         num_key_value_heads=2, head_dim=16, num_hidden_layers=num_layers, vocab_size=TARGET_VOCAB,
         max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=sliding_window,
         layer_types=["sliding_attention" if sliding_window else "full_attention"] * num_layers,
-    )  # fmt: skip
+    )
     return peagle_config(
         layer_cfg, num_depths=num_depths, draft_vocab=DRAFT_VOCAB, layer_ids=[1, 2, 3],
         mask_token=MASK_TOKEN, verifier_path=verifier_path,
-    )  # fmt: skip
+    )
 
 
 def vocab_map(seed=0):
@@ -81,7 +81,7 @@ def tiny_tokenizer(num_words=80, specials=("<|endoftext|>", "<|im_start|>", "<|i
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token="[UNK]",
-    )  # fmt: skip
+    )
     tok.add_special_tokens({"additional_special_tokens": list(specials[3:])})
     tok.chat_template = CHATML
     return tok
@@ -109,5 +109,5 @@ def tiny_workdir(root, draft_vocab_size=40):
             max_new_tokens=40, temperature=1.0, batch_size=8, target_layer_ids=(1, 2, 3),
             draft_vocab_size=draft_vocab_size,
         )
-    )  # fmt: skip
+    )
     return root

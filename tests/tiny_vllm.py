@@ -61,7 +61,7 @@ def layer_config(num_layers: int) -> LlamaConfig:
         hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1, head_dim=64, num_hidden_layers=num_layers, vocab_size=VOCAB,
         max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
+    )
 
 
 def save_target(model: LlamaForCausalLM, path) -> str:
@@ -97,7 +97,7 @@ def peagle_config(
         layer_config(num_layers), num_depths=num_depths, draft_vocab=draft_vocab,
         layer_ids=layer_ids, mask_token=MASK_TOKEN, verifier_path=target_dir,
         target_hidden_size=HIDDEN, **kw,
-    )  # fmt: skip
+    )
 
 
 def tiny_vllm_draft(target_dir, num_depths=3, seed=0, num_layers=1, **kw) -> PEagleDraftModel:
@@ -202,13 +202,13 @@ def target_batch(target_dir, sequences: list[list[int]], layer_ids=LAYER_IDS) ->
 def train_draft(
     draft: PEagleDraftModel, batch: dict, num_depths: int, steps=40, lr=3e-3, ratios=(0.8, 0.5),
     seed=0,
-):  # fmt: skip
+):
     """A few AdamW steps of the plugin's trainer module on one packed batch."""
     vocab = torch.arange(draft.lm_head.out_features)
     module = PEagleTrainerModule(
         draft, vocab, torch.ones(VOCAB, dtype=torch.bool), num_depths, MASK_TOKEN,
         *ratios, generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    )
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
     draft.train()

@@ -74,7 +74,7 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
 
 
 def section(cls, *, factory=None, keys=None, prefix: str = "", hidden=(), help_prefix: str = "",
-            flags: bool = True):  # fmt: skip
+            flags: bool = True):
     """A field holding the config section ``cls`` (default: ``factory()``, else ``cls()``).
 
     ``keys`` / ``prefix`` rename the section's settings for the config that holds it (a
@@ -83,7 +83,7 @@ def section(cls, *, factory=None, keys=None, prefix: str = "", hidden=(), help_p
     ``flags=False``: its settings are keys only, not flags.
     """
     meta = {"section": cls, "keys": dict(keys or {}), "prefix": prefix,
-            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags}  # fmt: skip
+            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags}
     return field(default_factory=factory or cls, metadata=meta)
 
 
@@ -139,7 +139,7 @@ def leaves(cls, *, _base=None) -> list[Leaf]:
             found.append(dataclasses.replace(
                 leaf, key=key, path=(f.name, *leaf.path), help=text,
                 is_flag=leaf.is_flag and meta["flags"],
-            ))  # fmt: skip
+            ))
     return found
 
 

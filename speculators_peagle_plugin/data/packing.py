@@ -219,7 +219,7 @@ class PackedBatches:
         docs = batch["document_ids"]
         out = {key: batch[key] for key in (
             "input_ids", "hidden_states", "verifier_last_hidden_states", "position_ids",
-        )}  # fmt: skip
+        )}
         # CollateFn's empty-row placeholder has a bool loss_mask; real rows are int64.
         out["loss_mask"] = batch["loss_mask"].long()
         out["document_ids"] = docs

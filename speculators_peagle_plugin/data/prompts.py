@@ -162,7 +162,7 @@ def _conversation(row, where: str) -> list[dict]:
         (row[k] for k in ("messages", "conversations", "prompt") if isinstance(row.get(k), list)
          and row[k]),
         [],
-    )  # fmt: skip
+    )
     messages = [m for m in map(_message, turns) if m is not None]
     if any(m["role"] == "user" for m in messages):
         return messages
@@ -311,7 +311,7 @@ def read_training_prompts(
         logger.warning(
             "Dropped %d prompts of %s that copy a held-out evaluation prompt (%s).",
             dropped, spec, ", ".join(held_out),
-        )  # fmt: skip
+        )
     if not kept:
         raise ValueError(
             f"every prompt of {spec} copies a held-out evaluation prompt ({', '.join(held_out)}); "
@@ -351,7 +351,7 @@ HELD_OUT = {
     "chat[100:]": lambda: [
         m["content"] for c in load_prompt_set("chat[100:]").conversations for m in c
     ],
-}  # fmt: skip
+}
 
 
 def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:

@@ -37,7 +37,7 @@ _IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
     "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
     "contamination_guard",
-)  # fmt: skip
+)
 # The value of a later identity key in data made before it existed.
 _BEFORE_KEY = {"contamination_guard": False}
 
@@ -218,5 +218,5 @@ def _write_hidden_states(config: DataGenConfig, target, output: Path, layer_ids,
             logger.warning(
                 "vLLM could not capture the hidden states (%s); capturing them with "
                 "transformers instead.", str(err).splitlines()[0][:500],
-            )  # fmt: skip
+            )
     write_hidden_states(target.model, output, layer_ids, config.storage_dtype)

@@ -47,7 +47,7 @@ def capture_hidden_states(
         out = decoder(
             input_ids=input_ids[None], output_hidden_states=True,
             past_key_values=cache, use_cache=cache is not None,
-        )  # fmt: skip
+        )
     # transformers' hidden_states[N] is after the final norm; aux id N is before it, as in vLLM
     last, final = len(out.hidden_states) - 1, pre_norm.value[0]
     states = [final if layer == last else out.hidden_states[layer][0] for layer in layer_ids]
@@ -190,4 +190,4 @@ def log_capture(samples: int, tokens: int, start: float, source: str) -> None:
     logger.info(
         "Captured hidden states of %d samples (%d tokens) with %s in %.1f s (%.1f tokens/s).",
         samples, tokens, source, elapsed, tokens / elapsed,
-    )  # fmt: skip
+    )

@@ -137,14 +137,14 @@ def write_hidden_states_vllm(
             total=len(dataset), initial=len(dataset) - len(todo), unit="sample",
             desc="Hidden states (vLLM)",
         ) as bar,
-    ):  # fmt: skip
+    ):
         for b in range(0, len(todo), shard):
             rows = {i: dataset[i]["input_ids"] for i in todo[b : b + shard]}
             job = VllmJob(
                 target=str(Path(config.target).resolve()), prompts=list(rows.values()),
                 max_tokens=1, batch_size=config.replies.batch_size, dtype=config.dtype,
                 seed=config.seed, engine_overrides=overrides,
-            )  # fmt: skip
+            )
             before = bar.n
             worker.run(job, on_event=_advance(bar, before))
             _place(staging, hs_dir, rows)
@@ -227,5 +227,5 @@ def place_recorded(config: DataGenConfig, output: Path, shape_tail: tuple[int, i
     logger.info(
         "The replies' engine recorded the hidden states of %d of %d rows; %d left to a "
         "capture pass.", placed, len(todo), len(todo) - placed,
-    )  # fmt: skip
+    )
     return placed

@@ -117,7 +117,7 @@ class Target:
                 prefix_caching=True,
                 engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
                 extension=recording_extension(record) if record else None,
-            )  # fmt: skip
+            )
 
             def event(message: dict) -> None:
                 if message["event"] == "progress":
@@ -133,7 +133,7 @@ class Target:
                 logger.warning(
                     "vLLM could not record the hidden states while generating (%s); a "
                     "second pass will capture them.", self.record_error,
-                )  # fmt: skip
+                )
             return
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
@@ -265,7 +265,7 @@ class _ShardFiles:
     def __init__(self, responses: Path, job: list[int], shard_size: int, done: dict, bar):
         self.responses, self.job, self.shard_size, self.done, self.bar = (
             responses, job, shard_size, done, bar,
-        )  # fmt: skip
+        )
         self.left = [len(job[s : s + shard_size]) for s in range(0, len(job), shard_size)]
 
     def complete(self, k: int, rows: list[dict]) -> None:
@@ -326,5 +326,5 @@ def generate_responses(
         logger.info(
             "Generated %d reply tokens for %d replies in %.1f s (%.1f tokens/s).",
             tokens, len(todo), elapsed, tokens / elapsed,
-        )  # fmt: skip
+        )
     return [row for i in range(len(prompts)) for row in done[i]]

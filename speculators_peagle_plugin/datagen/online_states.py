@@ -120,7 +120,7 @@ class DiskCache(StatesCache):
     """
 
     def __init__(self, directory: Path, key: dict, lengths, slots: int, hidden_size: int,
-                 capacity_bytes):  # fmt: skip
+                 capacity_bytes):
         per_token = slots * hidden_size * DISK_CACHE_DTYPE.itemsize + TOKEN_ID_BYTES
         super().__init__(lengths, per_token, capacity_bytes)
         self.directory, self.key = Path(directory), key

@@ -18,7 +18,7 @@ QUICK_RUN_DIR = "runs/demo-quick"
 
 def _demo_replies() -> ReplyConfig:
     return ReplyConfig(max_new_tokens=200, temperature=0.7, batch_size=128, num_samples=5,
-                       backend="vllm")  # fmt: skip
+                       backend="vllm")
 
 
 def _demo_sweep() -> SweepConfig:
@@ -26,7 +26,7 @@ def _demo_sweep() -> SweepConfig:
     return SweepConfig(
         prompt_sets=("humaneval[120:164]", "chat[100:]", "mt_bench[::10]"), ks=(2, 4),
         concurrency=(1, 16), prompts_per_slot=4, max_new_tokens=128, enforce_eager=False,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,11 @@ class DemoConfig(Settings):
     run_dir: str = setting(
         "runs/demo", "Where everything goes; rerunning resumes it.",
         show=f"runs/demo, {QUICK_RUN_DIR} with --quick",
-    )  # fmt: skip
+    )
     train_config: str = setting(
         str(Path(__file__).with_name("demo_smollm2.yaml")), "Training YAML.", flag="--config",
         show="configs/demo_smollm2.yaml",
-    )  # fmt: skip
+    )
     train_prompts: tuple[str, ...] = ("humaneval[0:120]", "chat[0:100]")
     validation_prompts: tuple[str, ...] = ()
     max_prompt_tokens: int | None = None
@@ -79,13 +79,13 @@ class DemoConfig(Settings):
     replies: ReplyConfig = section(
         ReplyConfig, factory=_demo_replies, hidden=("top_p",), flags=False,
         keys={"backend": "gen_backend", "batch_size": "gen_batch_size"},
-    )  # fmt: skip
+    )
     max_steps: int | None = None
     num_speculative_tokens: int = 4
     sweep: SweepConfig = section(
         SweepConfig, factory=_demo_sweep, prefix="eval_", keys={"prompt_sets": "eval_prompts"},
         flags=False,
-    )  # fmt: skip
+    )
     kv_cache_gb: int = 4
     target_dtype: str = "auto"
     quick: bool = setting(
@@ -97,7 +97,7 @@ class DemoConfig(Settings):
             raise ValueError(f"training config {self.train_config} does not exist.")
         check_optional_ints(self, {"num_speculative_tokens": 1, "kv_cache_gb": 1,
                                    "max_steps": 1, "max_prompt_tokens": 1,
-                                   "early_stop_patience": 1})  # fmt: skip
+                                   "early_stop_patience": 1})
         if self.target_dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "

@@ -106,7 +106,7 @@ def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
         config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
         save_path=str(layout.train), max_steps=config.max_steps,
         validation_data_path=validation, early_stop_patience=config.early_stop_patience,
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------- stages
@@ -119,7 +119,7 @@ def _target_stage(stages: Stages) -> Path:
         "target", {"model": "SmolLM2-135M-Instruct"},
         lambda: {"path": str(materialise_smollm2())},
         lambda out: has_weights(Path(out["path"])),
-    )["path"])  # fmt: skip
+    )["path"])
 
 
 def _prompt_filter(config: DemoConfig, target: Path):
@@ -135,7 +135,7 @@ def _prompt_filter(config: DemoConfig, target: Path):
 def _prompts_stage(
     config: DemoConfig, stages: Stages, path: Path, target: Path, name: str = "prompts",
     specs: tuple[str, ...] | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Write ``specs`` (the training prompts by default) to ``path``, held out from eval."""
     specs = config.train_prompts if specs is None else specs
     inputs = {"specs": list(specs), "eval": list(config.sweep.prompt_sets)}
@@ -150,12 +150,12 @@ def _prompts_stage(
     return stages.run(
         name, inputs, write,
         lambda out: path.is_file() and _sha256(path.read_bytes()) == out["sha256"],
-    )  # fmt: skip
+    )
 
 
 def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                 target: Path, prompts: dict, dtype: str, name: str = "data",
-                prompts_path: Path | None = None, output: Path | None = None) -> dict:  # fmt: skip
+                prompts_path: Path | None = None, output: Path | None = None) -> dict:
     """generate-data (of the training prompts by default); returns the stage's inputs,
     which the train stage depends on."""
     prompts_path = layout.prompts if prompts_path is None else prompts_path
@@ -170,28 +170,28 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                   "--temperature", str(replies.temperature), "--backend", replies.backend,
                   "--batch-size", str(replies.batch_size),
                   "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype],
-                 echo, name)  # fmt: skip
+                 echo, name)
         return {"path": str(output)}
 
     inputs = {
         "prompts": prompts["sha256"], "max_new_tokens": replies.max_new_tokens,
         "num_samples": replies.num_samples, "temperature": replies.temperature,
         "backend": replies.backend, "dtype": dtype,
-    }  # fmt: skip
+    }
     stages.run(name, inputs, generate, lambda out: (output / "state.json").is_file())
     return inputs
 
 
 def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                  target: Path, yaml_sha256: str, data_inputs: dict,
-                 native_bf16: bool) -> str:  # fmt: skip
+                 native_bf16: bool) -> str:
     """train; returns the directory of the checkpoint to serve: the final one, or with
     validation prompts the best one (``train/best``)."""
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,
                 "--verifier-name-or-path", str(target), "--data-path", str(layout.data),
-                "--save-path", str(layout.train)]  # fmt: skip
+                "--save-path", str(layout.train)]
         if config.validation_prompts:
             args += ["--validation-data-path", str(layout.validation_data)]
         if config.early_stop_patience is not None:
@@ -207,7 +207,7 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 
     inputs = {"config_sha256": yaml_sha256, "max_steps": config.max_steps,
               "native_bf16": native_bf16,
-              "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())}  # fmt: skip
+              "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())}
     if config.early_stop_patience is not None:
         inputs["early_stop_patience"] = config.early_stop_patience
     return stages.run(
@@ -216,7 +216,7 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 
 
 def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target: Path,
-                  trained: str) -> None:  # fmt: skip
+                  trained: str) -> None:
     def drafts() -> dict:
         link_draft(Path(trained), layout.trained_draft)
         train_config = _train_config(config, target, layout)
@@ -226,24 +226,24 @@ def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target:
     stages.run(
         "drafts", {"checkpoint": trained}, drafts,
         lambda out: has_weights(layout.trained_draft) and has_weights(layout.untrained_draft),
-    )  # fmt: skip
+    )
 
 
 def _check_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
-                 target: Path, trained: str) -> None:  # fmt: skip
+                 target: Path, trained: str) -> None:
     def check() -> dict:
         _command(["check", str(layout.trained_draft), "--target", str(target),
-                  "-k", str(config.num_speculative_tokens)], echo, "check")  # fmt: skip
+                  "-k", str(config.num_speculative_tokens)], echo, "check")
         return {}
 
     stages.run(
         "check", {"checkpoint": trained, "k": config.num_speculative_tokens},
         check, lambda out: has_weights(layout.trained_draft),
-    )  # fmt: skip
+    )
 
 
 def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
-                target: Path, trained: str, dtype: str) -> dict:  # fmt: skip
+                target: Path, trained: str, dtype: str) -> dict:
     """eval's sweep; returns the paths of its record and plots. A rerun after a failure
     runs eval into the same RUN/eval, which measures only the cells its cells.jsonl lacks."""
 
@@ -254,7 +254,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                 "--prompts-per-slot", str(config.sweep.prompts_per_slot),
                 "--max-new-tokens", str(config.sweep.max_new_tokens),
                 "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
-                "--out", str(layout.eval)]  # fmt: skip
+                "--out", str(layout.eval)]
         for spec in config.sweep.prompt_sets:
             args += ["--prompts", spec]
         if config.sweep.enforce_eager:
@@ -262,7 +262,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         _command(args, echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
-                "plots": [str(p) for p in plots if p.is_file()]}  # fmt: skip
+                "plots": [str(p) for p in plots if p.is_file()]}
 
     inputs = {
         "checkpoint": trained, "specs": list(config.sweep.prompt_sets),
@@ -270,7 +270,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         "prompts_per_slot": config.sweep.prompts_per_slot,
         "max_new_tokens": config.sweep.max_new_tokens, "dtype": dtype,
         "enforce_eager": config.sweep.enforce_eager,
-    }  # fmt: skip
+    }
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 
 
@@ -294,13 +294,13 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype)
     if config.validation_prompts:
         held_out = _prompts_stage(config, stages, layout.validation_prompts, target,
-                                  "validation prompts", config.validation_prompts)  # fmt: skip
+                                  "validation prompts", config.validation_prompts)
         data_inputs["validation"] = _data_stage(
             config, stages, layout, echo, target, held_out, dtype, "validation data",
             layout.validation_prompts, layout.validation_data,
-        )  # fmt: skip
+        )
     trained = _train_stage(config, stages, layout, echo, target, yaml_sha256, data_inputs,
-                           native_bf16)  # fmt: skip
+                           native_bf16)
     _drafts_stage(config, stages, layout, target, trained)
     _check_stage(config, stages, layout, echo, target, trained)
     outputs = _eval_stage(config, stages, layout, echo, target, trained, dtype)

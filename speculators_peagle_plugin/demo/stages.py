@@ -30,13 +30,13 @@ class Stages:
         self.ran: dict[str, float] = {}  # stages this invocation ran: wall seconds
 
     def run(self, name: str, inputs: dict, work: Callable[[], dict],
-            exists: Callable[[dict], bool]) -> dict:  # fmt: skip
+            exists: Callable[[dict], bool]) -> dict:
         record = self.records.get(name)
         if record is not None and record["inputs"] != inputs:
             changed = sorted(
                 k for k in inputs.keys() | record["inputs"].keys()
                 if inputs.get(k) != record["inputs"].get(k)
-            )  # fmt: skip
+            )
             raise ValueError(
                 f"{self.run_dir} holds a '{name}' stage made with other settings "
                 f"({', '.join(changed)}); use another --run-dir, or delete {self.run_dir} "

@@ -38,7 +38,7 @@ def acceptance_by_set(record: dict) -> dict[str, dict[str, dict]]:
 
 
 def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str,
-              wall_s: float, echo: Callable[[str], None]) -> dict:  # fmt: skip
+              wall_s: float, echo: Callable[[str], None]) -> dict:
     """Write ``RUN/demo.json`` from the eval's record and the stage times; print the table,
     the K to serve per concurrency and the times; returns the summary."""
     record = json.loads(Path(outputs["record"]).read_text())
@@ -63,11 +63,11 @@ def summarise(config: DemoConfig, stages: Stages, outputs: dict, checkpoint: str
         echo(format_recommendation(summary["recommendation"]))
     echo("")
     echo("stage seconds: " + ", ".join(f"{n} {s:.0f}" for n, s in seconds.items())
-         + f"; pipeline {total:.0f} s (budget {BUDGET_S} s)")  # fmt: skip
+         + f"; pipeline {total:.0f} s (budget {BUDGET_S} s)")
     if config.quick:
         echo("quick mode: a pipeline check on a few prompts; the figures mean nothing.")
     echo(f"run directory: {run_dir.resolve()}")
     echo(f"  draft (serve this): {RunLayout(run_dir).trained_draft}  (checkpoint {checkpoint})")
     echo(f"  record: {outputs['record']}  plots: {', '.join(outputs['plots'])}  summary: "
-         f"{run_dir / SUMMARY_FILE}")  # fmt: skip
+         f"{run_dir / SUMMARY_FILE}")
     return summary

@@ -113,7 +113,7 @@ class SpecDecodeCounters:
         """Both runs' counts together (e.g. the pieces of one cell)."""
         width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         mine, theirs = (c.accepted_per_pos + [0] * (width - len(c.accepted_per_pos))
-                        for c in (self, other))  # fmt: skip
+                        for c in (self, other))
         return SpecDecodeCounters(
             num_drafts=self.num_drafts + other.num_drafts,
             num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,

@@ -95,7 +95,7 @@ class _TargetWithAux:
         out = self.model(
             input_ids=ids[None], past_key_values=cache, use_cache=True,
             output_hidden_states=want_aux,
-        )  # fmt: skip
+        )
         if not want_aux:
             return out.logits[0].float(), None
         states = [

@@ -156,7 +156,7 @@ class VllmWorker:
             [sys.executable, "-P", str(WORKER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             text=True, bufsize=1, env=env,
-        )  # fmt: skip
+        )
         self.info = self._read()
 
     def _read(self, job: VllmJob | None = None, starting: bool = False) -> dict:

@@ -122,7 +122,7 @@ class Worker:
             (request_id, TokensPrompt(prompt_token_ids=list(prompt)),
              shared if seed is None else params(seed))
             for request_id, prompt, seed in zip(ids, job.prompts, seeds, strict=True)
-        ]  # fmt: skip
+        ]
         outputs: dict[str, list[int]] = {}
         tpot: dict[str, float | None] = {}
         histograms: dict[str, list[int] | None] = {}

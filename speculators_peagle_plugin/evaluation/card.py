@@ -37,7 +37,7 @@ def eval_section(record: dict, draft: str) -> str:
         "```",
     ]
     recommended = [r for r in record.get("recommendation") or [] if r["label"] in
-                   {run["label"] for run in mine if run["draft"] is not None}]  # fmt: skip
+                   {run["label"] for run in mine if run["draft"] is not None}]
     if recommended:
         lines += ["", "```text", format_recommendation(recommended), "```"]
     return "\n".join(lines)

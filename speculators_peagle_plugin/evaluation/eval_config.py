@@ -24,7 +24,7 @@ BACKENDS = ("vllm", "reference")
 CPU_KV_CACHE_GB = 4
 # Settings of the drafts and engines eval starts: a running server decodes with its own.
 ENGINE_KEYS = ("drafts", "ks", "backend", "baseline", "dtype", "max_model_len", "kv_cache_gb",
-               "in_process", "enforce_eager", "interleave")  # fmt: skip
+               "in_process", "enforce_eager", "interleave")
 
 
 def _stamp() -> str:
@@ -217,7 +217,7 @@ class EvalConfig(Settings):
             raise ValueError(f"each --label must name one server, got {list(self.labels)!r}.")
         values = flatten(self)
         given = [leaf.field.metadata.get("short") or leaf.flag for leaf in leaves(type(self))
-                 if leaf.key in ENGINE_KEYS and values[leaf.key] != leaf.default]  # fmt: skip
+                 if leaf.key in ENGINE_KEYS and values[leaf.key] != leaf.default]
         if given:
             raise ValueError(
                 f"{', '.join(given)} cannot be used with --server: each server decodes with "

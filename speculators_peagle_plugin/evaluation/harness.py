@@ -242,7 +242,7 @@ class _Workers:
     on a quiet machine as a whole cell does."""
 
     def __init__(self, config: EvalConfig, out_dir: Path, plan: list[tuple[int, VllmJob]],
-                 separate: bool, kv_cache_gb: int | None, engines: int, bar):  # fmt: skip
+                 separate: bool, kv_cache_gb: int | None, engines: int, bar):
         self.config, self.out_dir, self.separate = config, out_dir, separate
         self.last = {self._key(job): n for n, (_, job) in enumerate(plan)}
         self.kv_cache_gb = kv_cache_gb
@@ -277,7 +277,7 @@ class _Workers:
 
 
 def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
-              record: dict | None = None) -> list[dict]:  # fmt: skip
+              record: dict | None = None) -> list[dict]:
     """Run every job (vLLM workers or reference runtime) under one progress bar, in the
     order of :func:`plan_turns`; returns one run per job, in the order of ``jobs``.
 
@@ -291,7 +291,7 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
     stop_ids = stop_token_ids(config.target, tokenizer)
     engines = {_engine(j.engine) for j in jobs}
     turns = (config.resolved_interleave() and len(engines) > 1
-             and any(j.engine.batch_size == 1 for j in jobs))  # fmt: skip
+             and any(j.engine.batch_size == 1 for j in jobs))
     # shared by the whole sweep's engines, so that a rerun's engines get what the first run's got
     kv_cache_gb = config.resolved_kv_cache_gb(len(engines) if turns else 1)
     units = resume_units(jobs, turns)
@@ -313,7 +313,7 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
     bar = tqdm(total=sum(len(jobs[i].engine.prompts) for i in todo), unit="prompt", desc="eval")
     if resumed:
         bar.write(f"{len(resumed)} of {len(jobs)} cells finished earlier "
-                  f"({out_dir / CELLS_FILE}); measuring the other {len(todo)}")  # fmt: skip
+                  f"({out_dir / CELLS_FILE}); measuring the other {len(todo)}")
     workers = None
     try:
         if config.backend == "vllm":
@@ -346,12 +346,12 @@ def _run_jobs(config: EvalConfig, jobs: list[_Job], tokenizer, out_dir: Path,
             results[i], prompt_set=job.prompt_set, draft=job.engine.draft, label=job.label,
             k=job.engine.num_speculative_tokens or 0, concurrency=job.engine.batch_size,
             backend=config.backend, resumed=i in resumed,
-        ))  # fmt: skip
+        ))
     return runs
 
 
 def _unit_key(config: EvalConfig, unit: list[_Job], record: dict, in_turns: bool,
-              kv_cache_gb: int | None) -> dict:  # fmt: skip
+              kv_cache_gb: int | None) -> dict:
     """The key a unit of cells is saved under: its cells' keys (:func:`.cells.cell_key`),
     each with the hashes ``record`` holds of its inputs, and whether they ran in turns."""
     sets = {p["name"]: p["sha256"] for p in record["prompt_sets"]}
@@ -365,6 +365,6 @@ def _unit_key(config: EvalConfig, unit: list[_Job], record: dict, in_turns: bool
             "draft_sha256": drafts.get(job.engine.draft), "backend": config.backend,
             "in_process": config.in_process, "kv_cache_gb": kv_cache_gb,
             "vllm": versions["vllm"], "torch": versions["torch"],
-        }  # fmt: skip
+        }
         cells.append(cell_key(job.engine, setting))
     return {"in_turns": in_turns, "cells": cells}

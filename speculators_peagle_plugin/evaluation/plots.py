@@ -88,7 +88,7 @@ def plot_acceptance(runs: Sequence[dict], path: Path) -> Path:
         ax_len = axes[0][1]
         for (label, prompts), group in groups.items():
             ax_len.plot([r["k"] for r in group], [r["acceptance_length"] for r in group], "o-",
-                        label=f"{label} · {prompts}")  # fmt: skip
+                        label=f"{label} · {prompts}")
         all_ks = sorted({k for *_, k in cells})
         ax_len.plot(all_ks, [k + 1 for k in all_ks], "k:", label="every draft accepted")
         ax_len.set(xlabel="K", ylabel="mean acceptance length", title="acceptance length vs K")
@@ -109,13 +109,13 @@ def plot_speedup(runs: Sequence[dict], path: Path) -> Path:
     for (label, prompts, k), cells in sorted(lines.items()):
         cells = sorted(cells, key=lambda r: r["concurrency"])
         ax.plot([r["concurrency"] for r in cells], [r["speedup"] or math.nan for r in cells],
-                "o-", label=f"{label} · {prompts} · K={k}")  # fmt: skip
+                "o-", label=f"{label} · {prompts} · K={k}")
     concurrencies = sorted({r["concurrency"] for cells in lines.values() for r in cells})
     ax.axhline(1.0, color="k", ls=":", label="no draft")
     ax.set_xscale("log", base=2)
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set(xlabel="requests in flight", ylabel="output tokens/s vs no draft",
-           title="speedup vs concurrency")  # fmt: skip
+           title="speedup vs concurrency")
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -145,7 +145,7 @@ def plot_training(metrics: Sequence[dict], path: Path, title: str) -> Path:
     axes[1].legend(fontsize=7)
     axes[2].plot(steps, [m.get("acceptance_length", math.nan) for m in metrics])
     axes[2].set(xlabel="step", ylabel="estimated acceptance length",
-                title="acceptance length estimate")  # fmt: skip
+                title="acceptance length estimate")
     return _save(fig, path)
 
 

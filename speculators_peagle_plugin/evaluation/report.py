@@ -124,7 +124,7 @@ def _spread(values: Sequence[float | None] | None) -> dict | None:
 def format_table(runs: Sequence[dict]) -> str:
     """A plain-text table of the runs (one row per prompt set x draft x K x concurrency)."""
     head = ["prompts", "draft", "K", "c", "accept len", "per position", "drafts", "tok/s",
-            "TPOT ms mean/p50/p90", "speedup"]  # fmt: skip
+            "TPOT ms mean/p50/p90", "speedup"]
     rows = [head]
     for r in runs:
         per_pos, tpot = r["per_position"], r.get("tpot_s")
@@ -298,8 +298,8 @@ def finish_record(record: dict, runs: list[dict], out_dir: Path, echo) -> None:
         echo(format_recommendation(record["recommendation"]))
         if record["config"]["enforce_eager"]:
             echo("  (measured on uncompiled engines, --enforce-eager: `vllm serve` compiles "
-                 "the models, so its speedups differ)")  # fmt: skip
+                 "the models, so its speedups differ)")
     if any(r.get("pieces", 1) > 1 for r in record["runs"]):
         echo("  (at concurrency 1 the engines took turns, one prompt each, so the machine's "
-             "drift cancels out of the speedups; --no-interleave: one after another)")  # fmt: skip
+             "drift cancels out of the speedups; --no-interleave: one after another)")
     echo(f"record: {out_dir / 'record.json'}  plots: " + ", ".join(str(f) for f in figures))

@@ -41,7 +41,7 @@ from .eval_config import SweepConfig
 from .report import cell_tag, progress_callback, run_entry
 
 __all__ = ["Server", "ServerError", "probe_server", "probe_servers", "run_server_cell",
-           "run_servers"]  # fmt: skip
+           "run_servers"]
 
 TIMEOUT_S = 600.0  # one request, streamed: long enough for a slow CPU server's longest reply
 
@@ -117,7 +117,7 @@ def probe_server(url: str, label: str | None = None) -> Server:
 
 
 def probe_servers(urls: Sequence[str], labels: Sequence[str], echo: Callable[[str], None]
-                  ) -> list[Server]:  # fmt: skip
+                  ) -> list[Server]:
     """Every server of ``eval --server``, labelled; each one that does not draft is named in
     a sentence (its rows are the no-draft baseline).
 
@@ -126,30 +126,30 @@ def probe_servers(urls: Sequence[str], labels: Sequence[str], echo: Callable[[st
     ``t @ 127.0.0.1:8001``.
     """
     servers = [probe_server(url, label) for url, label in zip(urls, labels or [None] * len(urls),
-                                                              strict=True)]  # fmt: skip
+                                                              strict=True)]
     if not labels:
         models = [s.model for s in servers]
         servers = [dataclasses.replace(s, label=f"{s.model} @ {s.url.split('://', 1)[1]}")
-                   if models.count(s.model) > 1 else s for s in servers]  # fmt: skip
+                   if models.count(s.model) > 1 else s for s in servers]
     for s in servers:
         if not s.k:
             echo(f"{s.label} ({s.url}) reports no spec-decode counters, so it does not draft: "
-                 "its rows are the no-draft baseline.")  # fmt: skip
+                 "its rows are the no-draft baseline.")
     return servers
 
 
 def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[int],
-              ignore_eos: bool) -> dict:  # fmt: skip
+              ignore_eos: bool) -> dict:
     """One greedy request, streamed: its token ids and the time each chunk arrived."""
     body = {
         "model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "stream": True, "return_token_ids": True, "ignore_eos": ignore_eos,
         "stop_token_ids": [] if ignore_eos else sorted(stop_ids),
-    }  # fmt: skip
+    }
     request = urllib.request.Request(
         server.url + "/v1/completions", json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     tokens, stamps = [], []
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
@@ -175,7 +175,7 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[
 
 def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: int,
                     max_tokens: int, stop_ids: set[int], ignore_eos: bool = False,
-                    on_progress: Callable[[dict], None] | None = None) -> dict:  # fmt: skip
+                    on_progress: Callable[[dict], None] | None = None) -> dict:
     """Every prompt on ``server`` with ``concurrency`` requests in flight; the raw result
     the eval's engines give (:func:`~.report.summarize` reads it)."""
     before = read_counters(server.url) if server.k else None
@@ -189,7 +189,7 @@ def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: i
             done["tokens"] += len(reply["tokens"])
             if on_progress is not None:
                 on_progress({"done": done["n"], "output_tokens": done["tokens"],
-                             "wall_s": time.perf_counter() - start, "counters": None})  # fmt: skip
+                             "wall_s": time.perf_counter() - start, "counters": None})
         return reply
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -212,7 +212,7 @@ def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: i
 
 def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
                 sweep: SweepConfig, stop_ids: set[int], ignore_eos: bool
-                ) -> list[dict]:  # fmt: skip
+                ) -> list[dict]:
     """Every (server, concurrency, prompt set) cell under one progress bar, one server after
     another; one record run per cell, as the harness makes them from its engines' cells.
 
@@ -229,18 +229,18 @@ def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
         for c in sweep.concurrency:
             for name, ids in prompts.items():
                 cells.append((server, c, name, ids[: sweep.prompts_per_slot * c]
-                              if sweep.prompts_per_slot else ids))  # fmt: skip
+                              if sweep.prompts_per_slot else ids))
     bar = tqdm(total=sum(len(ids) for *_, ids in cells), unit="prompt", desc="eval")
     runs = []
     try:
         for server, c, name, ids in cells:
             progress = progress_callback(bar, cell_tag(name, server.label, server.k, c))
             result = run_server_cell(server, ids, c, sweep.max_new_tokens, stop_ids, ignore_eos,
-                                     progress)  # fmt: skip
+                                     progress)
             runs.append(run_entry(
                 result, prompt_set=name, draft=None, server=server.url, label=server.label,
                 k=server.k, concurrency=c, backend="server", resumed=False,
-            ))  # fmt: skip
+            ))
     finally:
         bar.close()
     return runs

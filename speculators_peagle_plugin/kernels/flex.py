@@ -66,7 +66,7 @@ def compiled_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
         logger.warning(
             "flex_attention compile failed for %s (%s); the block-sparse attention runs "
             "instead.", describe(key), compile_failures[key],
-        )  # fmt: skip
+        )
         return None
 
 

@@ -66,7 +66,7 @@ class _FusedLinearKL(torch.autograd.Function):
     def forward(
         ctx, hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad,
         mm_dtype, tv_weight,
-    ):  # fmt: skip
+    ):
         dtype = target_p.dtype
         n, vocab = hidden.shape[0], weight.shape[0]
         kl = hidden.new_zeros(n, dtype=dtype)
@@ -205,4 +205,4 @@ def fused_linear_kl(
         return _FusedLinearKL.apply(
             hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype,
             tv_weight,
-        )  # fmt: skip
+        )

@@ -160,11 +160,11 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
 # Tensors of a decoder layer copied as they are (required, then optional); q/k/v and the
 # input norm get their own treatment below.
 _COPIED = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-           "self_attn.o_proj.weight", "post_attention_layernorm.weight")  # fmt: skip
+           "self_attn.o_proj.weight", "post_attention_layernorm.weight")
 _REQUIRED = (*_COPIED, "input_layernorm.weight",
-             *(f"self_attn.{p}_proj.weight" for p in "qkv"))  # fmt: skip
+             *(f"self_attn.{p}_proj.weight" for p in "qkv"))
 _OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.bias",
-             "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")  # fmt: skip
+             "mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
 _QKV = tuple(f"self_attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias"))
 
 
@@ -199,7 +199,7 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
     layers = list(draft.layers)
     names = [f"layers.{deepest + i}." for i in range(len(layers))]
     present = [n + s for n in names for s in (*_COPIED, *_OPTIONAL, *_QKV, "input_layernorm.weight")
-               if any(k == n + s or k.endswith("." + n + s) for k in keys)]  # fmt: skip
+               if any(k == n + s or k.endswith("." + n + s) for k in keys)]
     found = load_model_layers(present, str(verifier_path)) if present else {}
     missing = [n + s for n in names for s in _REQUIRED if n + s not in found]
     if missing:
@@ -245,7 +245,7 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
                 bias = found.get(f"{name}self_attn.{proj}.bias")
                 if target.bias is not None and bias is not None:
                     target.bias.copy_(bias.view(verifier_heads, head_dim).repeat_interleave(
-                        repeat, 0).reshape(-1))  # fmt: skip
+                        repeat, 0).reshape(-1))
 
 
 def _copy(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:

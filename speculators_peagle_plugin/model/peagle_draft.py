@@ -148,7 +148,7 @@ class _PeagleDecoderLayerMixin:
         out = _rows(residual, output_rows) + self.self_attn.forward_peagle(
             combined, position_ids, block_mask, position_embeddings=position_embeddings,
             output_rows=output_rows,
-        )  # fmt: skip
+        )
         return out + self.mlp(_rms_norm(self.post_attention_layernorm, out))
 
 

@@ -56,7 +56,7 @@ def _oracle_masks(seeds, length: int) -> dict:
         lengths = torch.bincount(doc[doc >= 0]).tolist()
         for window in WINDOWS:
             out[seed, window] = (anchor, depth, doc, brute_force_mask(anchor, depth, lengths,
-                                                                      length, window))  # fmt: skip
+                                                                      length, window))
     return out
 
 
@@ -81,11 +81,11 @@ def attention_checks(shape: Shape, device: torch.device, seeds, length: int) -> 
             except Exception as err:  # noqa: BLE001 - whatever broke is the finding
                 why = (str(err).strip().splitlines() or [""])[0]
                 check = Check(name, FAIL, f"{type(err).__name__}: {why}",
-                              {"traceback": traceback.format_exc()})  # fmt: skip
+                              {"traceback": traceback.format_exc()})
             new = flex_failures_since(failed_before)
             if impl == "flex" and new:
                 check = Check(name, FAIL, f"flex_attention did not compile ({new}), so "
-                              "training runs the block-sparse path", check.data)  # fmt: skip
+                              "training runs the block-sparse path", check.data)
             checks.append(check)
     return checks
 
@@ -113,7 +113,7 @@ def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Chec
         n = anchor.shape[0]
         elements += n
         q, k, v = (torch.randn(1, h, n, hd, generator=gen, dtype=torch.float64)
-                   for h in (nh, nkv, nkv))  # fmt: skip
+                   for h in (nh, nkv, nkv))
         live = allowed.any(-1)  # padding rows see nothing: no output to compare
         grad_out = torch.randn(1, nh, n, hd, generator=gen, dtype=torch.float64)
         grad_out[..., ~live, :] = 0
@@ -130,7 +130,7 @@ def _attention_check(name, impl, precision, shape: Shape, device, masks) -> Chec
                 got, ref = got[..., live.to(device), :], ref[..., live, :]
             errors[f"seed {seed} window {window} {part}"] = _error(got, ref)
     what = (f"{len(masks)} ragged rows ({elements} elements, {nh}/{nkv} heads of "
-            f"{hd}), outputs and gradients vs float64")  # fmt: skip
+            f"{hd}), outputs and gradients vs float64")
     return verdict(name, errors, TOLERANCE[f"attention {precision}"], what)
 
 
@@ -164,11 +164,11 @@ def _oracle_step(draft, batch64, device, seed):
         anchor, depth = generate_cod_sample_indices(
             seq_len, batch64["loss_mask"][b].to(device), cod.num_depths, cod.down_sample_ratio,
             cod.down_sample_ratio_min, document_ids=doc.to(device), generator=gen,
-        )  # fmt: skip
+        )
         anchor, depth = anchor.cpu(), depth.cpu()
         lengths = torch.bincount(doc[doc >= 0]).tolist()
         rows.append((anchor, depth, brute_force_mask(anchor, depth, lengths, seq_len,
-                                                     NARROW_WINDOW)))  # fmt: skip
+                                                     NARROW_WINDOW)))
     oracle = copy.deepcopy(draft.model).to("cpu", torch.float64)
     loss = dense_reference_loss(oracle, batch64, rows, draft.mask_token_id)
     loss.backward()
@@ -195,9 +195,9 @@ def step_checks(shape: Shape, device: torch.device, seeds, length: int) -> list[
         batch64 = packed_batch(
             seed, vocab=narrow.vocab_size, seq_len=length, aux_width=draft.model.fc.in_features,
             hidden=narrow.hidden_size,
-        )  # fmt: skip
+        )
         batch = {k: (v.float() if v.is_floating_point() else v).to(device)
-                 for k, v in batch64.items()}  # fmt: skip
+                 for k, v in batch64.items()}
         want = _oracle_step(draft, batch64, device, seed)
         flat = _run_step(draft, batch, device, seed)
         flat = flat[0], {n: g.clone() for n, g in flat[1].items()}
@@ -215,5 +215,5 @@ def step_checks(shape: Shape, device: torch.device, seeds, length: int) -> list[
         "partitioned": f"{rows}, {PARTITIONS} segments vs the flat step (float32)",
     }
     names = {"step float32": "training step float32", "step bfloat16": "training step bfloat16",
-             "partitioned": "partitioned step == flat step"}  # fmt: skip
+             "partitioned": "partitioned step == flat step"}
     return [verdict(names[k], errors[k], TOLERANCE[k], whats[k]) for k in errors]

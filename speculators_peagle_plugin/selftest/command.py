@@ -76,7 +76,7 @@ def _measure(side: str, options: Options) -> dict:
         "side": side, "shape": options.shape, "device": str(options.device),
         "seq_lens": list(options.seq_lens), "warmup": 1, "steps": 1 if options.quick else 3,
         "search_s": 0 if options.quick or options.device.type != "cuda" else SEARCH_S,
-    }  # fmt: skip
+    }
     if options.device.type == "cuda":
         return measure_side(spec)
     cmd = [sys.executable, "-m", "speculators_peagle_plugin.selftest.perf", json.dumps(spec)]
@@ -151,7 +151,7 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "argv": sys.argv, "stack": info, "shape": options.shape, "quick": options.quick,
         "seq_lens": list(options.seq_lens), "checks": [], "speed": results,
-    }  # fmt: skip
+    }
 
     def report(name: str, run) -> list[Check]:
         """``run()``'s checks; an exception in it is a FAIL of ``name``, and the rest goes on."""
@@ -191,7 +191,7 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
             echo(line)
         warmup, steps = 1, 1 if options.quick else 3
         report("torchrun", lambda: distributed_checks(shape, device, options.seq_lens[0], warmup,
-                                                      steps, options.quick))  # fmt: skip
+                                                      steps, options.quick))
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, SKIP)}
     echo(f"selftest: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
     if options.json_path:
@@ -216,7 +216,7 @@ def _default_lens() -> str:
 @click.option("--seq-lens", help="Row lengths of the speed comparison, comma-separated "
               f"[default: {_default_lens()}].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Also write the record to this JSON file.")  # fmt: skip
+              help="Also write the record to this JSON file.")
 def selftest(device, quick, shape, seq_lens, json_path) -> None:
     """Check the kernels and the training step on this machine; exit 1 on any FAIL."""
     try:

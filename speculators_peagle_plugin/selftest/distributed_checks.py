@@ -46,7 +46,7 @@ def _config(world, wrapper: str, partitions: int, autocast: str, scratch: str, s
         verifier_name_or_path="selftest", data_path="selftest", save_path=scratch,
         sequence_partitions=partitions, fsdp=wrapper == "fsdp", autocast=autocast,
         device=str(world.device), seed=seed,
-    )  # fmt: skip
+    )
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:
@@ -83,10 +83,10 @@ def _correctness(world, spec: dict, scratch: str) -> dict:
     draft = build_draft(shape, device, seed, NARROW_WINDOW)
     module = trainer_for(draft, PARTITIONS, seed)
     config = _config(world, spec["wrapper"], PARTITIONS, "none", scratch, seed)
-    wrapped = wrap(StepModule(module, every_parameter=True), config, world)
+    wrapped = wrap(StepModule(module, every_parameter=True), config.runtime, world)
     batch = packed_batch(seed, vocab=shape.vocab_size, aux_width=draft.model.fc.in_features,
                          hidden=shape.hidden_size, batch=world.size, seq_len=ROW_TOKENS,
-                         dtype=torch.float32)  # fmt: skip
+                         dtype=torch.float32)
     rows = [{k: v[r : r + 1].to(device) for k, v in batch.items()} for r in range(world.size)]
     stats = train_step(wrapped, module, rows[world.rank], config, world, 0)
     loss = stats["loss_sum"] / stats["total_den"].clamp(min=1)
@@ -97,7 +97,7 @@ def _correctness(world, spec: dict, scratch: str) -> dict:
     want_loss, want = _reference(shape, device, rows, seed)
     errors = {"loss": relative_error(torch.tensor(loss), torch.tensor(want_loss))}
     errors |= {f"grad {n}": relative_error(g, want[n]) if n in want else float("inf")
-               for n, g in grads.items()}  # fmt: skip
+               for n, g in grads.items()}
     return {"errors": errors}
 
 
@@ -111,7 +111,7 @@ def _speed(world, spec: dict, scratch: str) -> dict:
     draft = build_draft(shape, device, 0, DEFAULT_SLIDING_WINDOW)
     module = trainer_for(draft, segments_for(seq_len))
     config = _config(world, spec["wrapper"], segments_for(seq_len), autocast, scratch)
-    wrapped = wrap(StepModule(module, every_parameter=True), config, world)
+    wrapped = wrap(StepModule(module, every_parameter=True), config.runtime, world)
     params = [p for p in draft.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
     batch = make_row(shape, seq_len, device, dtype)
@@ -130,7 +130,7 @@ def _speed(world, spec: dict, scratch: str) -> dict:
         times.append(time.perf_counter() - began)
     median = statistics.median(times[spec["warmup"] :])
     return {"tokens_per_s": world.size * seq_len / median, "step_s": median,
-            "peak_gib": _peak_gib(device), "segments": segments_for(seq_len)}  # fmt: skip
+            "peak_gib": _peak_gib(device), "segments": segments_for(seq_len)}
 
 
 def worker(spec: dict) -> None:
@@ -168,7 +168,7 @@ def _run(wrapper: str, ranks: int, spec: dict, env: dict) -> Check:
         out = Path(tmp) / "result.json"
         spec = {**spec, "wrapper": wrapper, "out": str(out)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(_free_port()), "-m", __name__, json.dumps(spec)]  # fmt: skip
+               "--master_port", str(_free_port()), "-m", __name__, json.dumps(spec)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0 or not out.is_file():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -177,7 +177,7 @@ def _run(wrapper: str, ranks: int, spec: dict, env: dict) -> Check:
     speed = result["speed"]
     what = (f"{ranks} ranks, gradients and loss vs one process on the same rows; the step at "
             f"{spec['seq_len']:,} tokens a rank: {speed['tokens_per_s']:,.0f} tokens/s over all "
-            f"ranks, peak {speed['peak_gib']:.2f} GiB on rank 0")  # fmt: skip
+            f"ranks, peak {speed['peak_gib']:.2f} GiB on rank 0")
     check = verdict(name, result["errors"], TOLERANCE, what)
     check.data |= {"ranks": ranks, "speed": speed}
     return check
@@ -192,7 +192,7 @@ def distributed_checks(shape, device, seq_len: int, warmup: int, steps: int, qui
     if device.type == "cpu":  # ranks share the cores
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
     spec = {"shape": shape.name, "device": device.type, "seq_len": seq_len, "warmup": warmup,
-            "steps": steps}  # fmt: skip
+            "steps": steps}
     return [_run(wrapper, ranks, spec, env) for wrapper in WRAPPERS]
 
 

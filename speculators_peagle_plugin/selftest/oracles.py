@@ -98,7 +98,7 @@ def dense_draft_hidden(draft, ids, projected, positions, allowed) -> torch.Tenso
         k = k.repeat_interleave(nh // nkv, 1)
         v = attn.v_proj(x).view(-1, nkv, hd).repeat_interleave(nh // nkv, 1)
         out = masked_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed,
-                               hd**-0.5)  # fmt: skip
+                               hd**-0.5)
         h = resid + attn.o_proj(out.transpose(0, 1).reshape(-1, nh * hd))
         h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
     return h

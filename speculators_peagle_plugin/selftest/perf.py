@@ -62,7 +62,7 @@ def make_row(shape, seq_len: int, device: torch.device, dtype: torch.dtype) -> d
                                                    device=device, dtype=dtype),
         "document_ids": torch.zeros(1, seq_len, dtype=torch.long, device=device),
         "loss_mask": loss_mask,
-    }  # fmt: skip
+    }
 
 
 def _ours(shape, device: torch.device, autocast: str):
@@ -84,7 +84,7 @@ def _ours(shape, device: torch.device, autocast: str):
         config = TrainConfig.from_sources(
             verifier_name_or_path="selftest", data_path="selftest", save_path="selftest",
             sequence_partitions=module.sequence_partitions, autocast=autocast, device=str(device),
-        )  # fmt: skip
+        )
         wrapped = wrap(StepModule(module, every_parameter=False), config, world)
         optimizer.zero_grad(set_to_none=True)
         stats = train_step(wrapped, module, batch, config, world, index)
@@ -106,14 +106,14 @@ def _theirs(shape, device: torch.device, autocast: str, loss_impl: str | None = 
     cuda = device.type == "cuda"
     ours = build_draft(shape, device, seed=0, window=DEFAULT_SLIDING_WINDOW)
     model = speculators_twin(ours, shape, DEFAULT_SLIDING_WINDOW,
-                             "simple_flex_attention" if cuda else "sdpa")  # fmt: skip
+                             "simple_flex_attention" if cuda else "sdpa")
     del ours
     model.train()
     impl = loss_impl or (LossArgs.model_fields["loss_implementation"].default if cuda else "eager")
     cod = CODConfig()
     kwargs = dict(loss_config=resolve_loss_config("kl_div", impl), max_anchors=cod.max_anchors,
                   num_depths=cod.num_depths, down_sample_ratio=cod.down_sample_ratio,
-                  down_sample_ratio_min=cod.down_sample_ratio_min)  # fmt: skip
+                  down_sample_ratio_min=cod.down_sample_ratio_min)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params)
 
@@ -137,7 +137,7 @@ def _theirs(shape, device: torch.device, autocast: str, loss_impl: str | None = 
                 raise
             why = (str(err).strip().splitlines() or [""])[0][:200]
             step.note = (f"its {impl} loss failed here ({type(err).__name__}: {why}); "
-                         "measured with its eager loss")  # fmt: skip
+                         "measured with its eager loss")
             kwargs["loss_config"] = resolve_loss_config("kl_div", "eager")
             return run(batch, index)
 
@@ -203,7 +203,7 @@ def longest_row(step, shape, start: int, device, dtype, budget_s: float) -> dict
             hi = trial
     complete = hi is not None and hi - lo <= max(1024, lo // 8)
     return {"tokens": lo, "first_failing": hi, "complete": complete,
-            "search_s": round(time.perf_counter() - began, 1)}  # fmt: skip
+            "search_s": round(time.perf_counter() - began, 1)}
 
 
 def measure_side(spec: dict) -> dict:
@@ -236,7 +236,7 @@ def measure_side(spec: dict) -> dict:
                 times.append(time.perf_counter() - began)
             median = statistics.median(times[spec["warmup"] :])
             record |= {"tokens_per_s": seq_len / median, "step_s": median, "loss": loss,
-                       "peak_gib": _peak_gib(device)}  # fmt: skip
+                       "peak_gib": _peak_gib(device)}
             if not math.isfinite(loss):
                 record["error"] = f"non-finite loss {loss}"
             else:

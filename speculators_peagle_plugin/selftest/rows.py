@@ -47,7 +47,7 @@ def random_cod_elements(seed, length=71, num_depths=5, drop_context=False):
 
 
 def packed_batch(seed, *, vocab, aux_width, hidden, batch=2, seq_len=61, n_docs=3, pad=7,
-                 dtype=torch.float64) -> dict:  # fmt: skip
+                 dtype=torch.float64) -> dict:
     """speculators' packed batch of ragged rows with padding (document ids -1) and random
     supervision; token ids below ``vocab - 1`` (the last id is left for a mask token).
 

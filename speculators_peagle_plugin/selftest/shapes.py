@@ -56,7 +56,7 @@ class Shape:
             num_key_value_heads=NARROW_KV_HEADS,
             head_dim=self.head_dim, vocab_size=512, num_hidden_layers=self.num_hidden_layers,
             rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps, draft_vocab_size=128,
-        )  # fmt: skip
+        )
 
 
 SHAPES = {
@@ -71,7 +71,7 @@ SHAPES = {
 
 
 def peagle_config(layer_config, *, num_depths, draft_vocab, layer_ids, mask_token, verifier_path,
-                  architecture="LlamaForCausalLM", **options):  # fmt: skip
+                  architecture="LlamaForCausalLM", **options):
     """speculators' ``PEagleSpeculatorConfig`` of a draft with ``layer_config``'s decoder,
     greedy ``num_depths`` tokens, aux layers ``layer_ids`` and a verifier at
     ``verifier_path`` (None: none on disk)."""
@@ -113,14 +113,14 @@ def draft_config(shape: Shape, window: int | None, attn_impl: str | None = None)
         num_hidden_layers=1, vocab_size=shape.vocab_size, max_position_embeddings=1 << 20,
         rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta, sliding_window=window,
         layer_types=["sliding_attention" if window else "full_attention"],
-    )  # fmt: skip
+    )
     layer._attn_implementation = attn_impl
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[shape.model_type]
     return peagle_config(
         layer, num_depths=CODConfig.num_depths, draft_vocab=shape.draft_vocab_size,
         layer_ids=shape.aux_layer_ids, mask_token=shape.vocab_size - 1, verifier_path=None,
         architecture=arch,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -190,4 +190,4 @@ def trainer_for(draft: Draft, partitions: int = 1, seed: int | None = None):
     return PEagleTrainerModule(
         draft.model, draft.selected, draft.t2d, cod.num_depths, draft.mask_token_id,
         cod.down_sample_ratio, cod.down_sample_ratio_min, partitions, generator=gen,
-    )  # fmt: skip
+    )

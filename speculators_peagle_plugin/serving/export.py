@@ -115,7 +115,7 @@ def _write(ckpt: DraftCheckpoint, config: dict, tensors: dict, out: Path) -> Non
         copy(item, out / item.name)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+              metadata={"format": "pt"})
 
 
 def _fix_config(config, tensors, target, mask_token_id, num_speculative_tokens) -> None:

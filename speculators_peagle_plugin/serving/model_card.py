@@ -47,7 +47,7 @@ _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 RECIPE_KEYS = (
     "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "total_seq_len",
     "sequence_partitions", "lr", "epochs", "max_steps", "draft_init", "autocast", "seed",
-)  # fmt: skip
+)
 
 
 def card_facts(config: dict) -> dict:
@@ -68,7 +68,7 @@ def serve_command(draft_dir: str | Path, config: dict) -> str:
     """The ``vllm serve`` line that serves ``draft_dir`` with parallel drafting."""
     facts = card_facts(config)
     spec = {"method": "eagle3", "model": str(draft_dir), "parallel_drafting": True,
-            "num_speculative_tokens": facts["speculative_tokens"]}  # fmt: skip
+            "num_speculative_tokens": facts["speculative_tokens"]}
     return f"vllm serve {facts['base_model']} --speculative-config '{json.dumps(spec)}'"
 
 
@@ -168,7 +168,7 @@ def write_model_card(
     if training is not None:
         rows = [("target", f"`{target}`"), *_made_rows(training)]
         made = "\n".join(["## How it was made", "", "| | |", "|---|---|",
-                          *(f"| {k} | {v} |" for k, v in rows), ""])  # fmt: skip
+                          *(f"| {k} | {v} |" for k, v in rows), ""])
     if made:
         lines += [made.rstrip("\n"), ""]
     evaluated = _between(old_body) or (

@@ -36,7 +36,7 @@ STATE_FILE = "training_state.pt"
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "resume", "no_resume_from_checkpoint", "log_freq",
      "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience"}
-)  # fmt: skip
+)
 # Compared after resolving: the same directory, however it is spelled, is no change.
 PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path", "from_pretrained"})
 # The draft's keys inside the wrapped StepModule's state dict.

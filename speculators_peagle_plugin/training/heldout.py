@@ -69,7 +69,7 @@ def heldout_metrics(
     batches = PackedBatches(
         data, config.data.total_seq_len, seed=seed, samples=samples, rank=0, world_size=1,
         hidden_states_dtype=states_dtype,
-    )  # fmt: skip
+    )
     k = config.peagle.num_depths
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct, valid = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)

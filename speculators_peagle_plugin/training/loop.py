@@ -165,7 +165,7 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
         "%s does not record which target layers its aux hidden states come from; "
         "training as layers %s (only their count, %d, could be checked)",
         config.data.data_path, list(layer_ids), data.num_aux_layers,
-    )  # fmt: skip
+    )
     return layer_ids
 
 
@@ -216,7 +216,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             draft_vocab_size=draft_vocab, target_layer_ids=layer_ids,
             target_hidden_size=verifier_config.hidden_size,
             norm_before_residual=config.draft.norm_before_residual,
-        )  # fmt: skip
+        )
     train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
@@ -262,7 +262,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizer, scheduler, batches, total,
         mask_token_id, reason, resume, heldout_samples,
-    )  # fmt: skip
+    )
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
@@ -317,7 +317,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     bar = tqdm(
         total=setup.total_steps, initial=start, disable=not progress or world.rank != 0,
         desc=f"train {config.algorithm}", unit="step", dynamic_ncols=True,
-    )  # fmt: skip
+    )
     online = setup.batches.data.online
     run_began = time.perf_counter()
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
@@ -344,7 +344,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 step=step + 1, epoch=epoch, lr=setup.scheduler.get_last_lr()[0],
                 grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
                 data_share=waited / (now - began), wall_s=now - run_began,
-            )  # fmt: skip
+            )
             if online is not None:  # this rank's share of the step spent in the target
                 record["target_share"] = online.take_seconds() / (now - began)
             stop_now = record.pop("stop")
@@ -359,7 +359,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                     save_path, step + 1, wrapped=setup.wrapped, draft=draft,
                     optimizer=setup.optimizer, scheduler=setup.scheduler,
                     config=config, world=world,
-                )  # fmt: skip
+                )
                 if validation is not None and not stop_now:
                     stop_early = validation.score(saved, step + 1, (step + 1) / steps_per_epoch)
                     trackers.log(validation.records[-1], step + 1, prefix="val")

@@ -72,7 +72,7 @@ class OnlineConfig:
     replies: ReplyConfig = section(
         ReplyConfig, keys={"backend": "generation_backend"}, hidden=("top_p", "batch_size"),
         help_prefix="With --prompts: ",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -136,7 +136,7 @@ def reply_config(config: TrainConfig, layer_ids, device: torch.device) -> DataGe
         output=str(online_data_path(config)), replies=config.online.replies,
         target_layer_ids=tuple(layer_ids), draft_vocab_size=config.draft.draft_vocab_size,
         seed=config.seed, dtype=config.online.target_dtype, device=str(device),
-    )  # fmt: skip
+    )
 
 
 def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingData:
@@ -166,7 +166,7 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
     cache = CacheSettings(
         online.online_cache, online.online_cache_gib * 2**30,
         Path(config.trainer.save_path) / CACHE_DIR, key,
-    )  # fmt: skip
+    )
     states = OnlineHiddenStates(model, layer_ids, cache)
     return open_training_data(
         data_path, draft_vocab_size=config.draft.draft_vocab_size, online=states
@@ -186,5 +186,5 @@ def prepare_cache(data: TrainingData, world: World) -> None:
         logger.info(
             "online cache (%s): the first %d of %d samples, %.2f GiB",
             type(cache).__name__, cache.rows, data.num_samples, cache.bytes / 2**30,
-        )  # fmt: skip
+        )
     world.barrier()

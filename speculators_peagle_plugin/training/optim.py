@@ -71,7 +71,7 @@ def warmup_steps(config: SchedulerConfig, total_steps: int) -> int:
             logger.warning(
                 "scheduler_warmup_steps %d and scheduler_warmup_ratio %g are both set; "
                 "using scheduler_warmup_steps, as speculators does", steps, ratio,
-            )  # fmt: skip
+            )
         return steps
     if ratio is not None:
         return int(ratio * total_steps)  # speculators' rounding: down

@@ -83,7 +83,7 @@ class PEagleTrainerModule(torch.nn.Module):
         self.peagle = PEagleConfig(
             num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors,
             sequence_partitions, greedy_chains,
-        )  # fmt: skip
+        )
         self.loss_config = LossConfig(hard_label_weight, tv_weight)
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
@@ -116,7 +116,7 @@ class PEagleTrainerModule(torch.nn.Module):
 
     @classmethod
     def from_config(cls, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
-                    config) -> PEagleTrainerModule:  # fmt: skip
+                    config) -> PEagleTrainerModule:
         """The module for a config's ``peagle`` and ``loss`` sections (a TrainConfig's)."""
         p, loss = config.peagle, config.loss
         return cls(
@@ -124,7 +124,7 @@ class PEagleTrainerModule(torch.nn.Module):
             p.down_sample_ratio, p.down_sample_ratio_min, p.sequence_partitions,
             max_anchors=p.max_anchors, greedy_chains=p.greedy_chains,
             hard_label_weight=loss.hard_label_weight, tv_weight=loss.tv_weight,
-        )  # fmt: skip
+        )
 
     @property
     def num_depths(self) -> int:
@@ -140,7 +140,7 @@ class PEagleTrainerModule(torch.nn.Module):
             doc_row.shape[0], loss_mask_row, p.num_depths, p.down_sample_ratio,
             p.down_sample_ratio_min, document_ids=doc_row, max_anchors=p.max_anchors,
             generator=self.generator, path_mask=greedy_row,
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def greedy_steps(
@@ -250,7 +250,7 @@ class PEagleTrainerModule(torch.nn.Module):
         kl_sum, hits = fused_linear_kl(
             draft.lm_head_inputs(hidden), draft.lm_head.weight, targets, target_rows,
             loss.hard_label_weight, loss.tv_weight,
-        )  # fmt: skip
+        )
         k = self.peagle.num_depths
         with torch.no_grad():
             correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
@@ -287,11 +287,11 @@ class PEagleTrainerModule(torch.nn.Module):
             return self._forward_peagle_segment(
                 input_ids, attention_mask, aux_hidden_states, target_logits, peagle_segment,
                 verifier_last_hidden_states=verifier_last_hidden_states,
-            )  # fmt: skip
+            )
         check_batch_shapes(
             input_ids, loss_mask, aux_hidden_states, target_logits, verifier_last_hidden_states,
             self.draft.fc.in_features,
-        )  # fmt: skip
+        )
         docs = batch_document_ids(input_ids, attention_mask, document_ids)
         seq_len = input_ids.shape[1]
         greedy = self.greedy_steps(input_ids, target_logits, verifier_last_hidden_states)
@@ -303,7 +303,7 @@ class PEagleTrainerModule(torch.nn.Module):
                 input_ids[b], aux_hidden_states[b], row(target_logits, b), anchor, depth, ref,
                 supervised_elements(loss_mask[b], docs[b], ref), lengths_from_document_ids(docs[b]),
                 seq_len, verifier_row=row(verifier_last_hidden_states, b),
-            ))  # fmt: skip
+            ))
         num, den, correct, valid = (torch.stack(x).sum(0) for x in zip(*parts, strict=True))
         return PEagleStepMetrics(num / den.clamp(min=1), num.detach(), correct, valid, den)
 
@@ -314,7 +314,7 @@ class PEagleTrainerModule(torch.nn.Module):
             batch["input_ids"], None, batch["loss_mask"], batch["hidden_states"], None,
             peagle_segment, document_ids=batch.get("document_ids"),
             verifier_last_hidden_states=batch["verifier_last_hidden_states"],
-        )  # fmt: skip
+        )
 
     # ---- sequence partitioning --------------------------------------------------
 

@@ -83,9 +83,9 @@ def check_pretrained_fits(
          target_hidden_size, "--verifier-name-or-path"),
         ("norm_before_residual", config.norm_before_residual, norm_before_residual,
          "--norm-before-residual"),
-    ]  # fmt: skip
+    ]
     differ = [f"its {what} {theirs}, this run's {ours} ({flag})"
-              for what, theirs, ours, flag in facts if theirs != ours]  # fmt: skip
+              for what, theirs, ours, flag in facts if theirs != ours]
     if differ:
         raise ValueError(
             f"--from-pretrained {path} does not fit this run: {'; '.join(differ)}; give the "
@@ -112,7 +112,7 @@ def copy_pretrained_weights(pretrained: nn.Module, draft: nn.Module, path: str |
         logger.info(
             "%s keeps its own draft vocabulary (d2t/t2d), not the one the data's token "
             "frequencies give: its lm_head rows mean its tokens", path,
-        )  # fmt: skip
+        )
     with torch.no_grad():
         draft.load_state_dict(theirs)
 

@@ -30,12 +30,12 @@ class LoggingConfig:
     logger: str = setting(
         "", "Metric trackers as well as SAVE/metrics.jsonl, comma-separated: tensorboard, "
         "wandb, trackio, mlflow (speculators' loggers; each needs its package).", show=None,
-    )  # fmt: skip
+    )
     log_dir: str = setting("./logs", "Directory of the trackers' files (RUN_NAME under it).")
     run_name: str | None = setting(
         None, "The trackers' run name; {time}, {utc_time}, {rank}, {local_rank} are filled "
         "in.", show="the start time",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         check_int_at_least("log_freq", self.log_freq, 1)
@@ -52,7 +52,7 @@ class LoggingConfig:
 # Tracker -> the module it needs (speculators' handlers import it at the first metric).
 TRACKER_PACKAGES = {
     "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
-}  # fmt: skip
+}
 
 
 class TrainingInterrupted(Exception):

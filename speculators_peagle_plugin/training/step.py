@@ -64,7 +64,7 @@ def train_step(
         # FSDP all-gathers in every forward: all ranks must run the same number of them.
         # The count lives on the rank's device: NCCL reduces CUDA tensors only.
         count = world.all_reduce(torch.tensor([len(segments)], device=world.device),
-                                 dist.ReduceOp.MAX)  # fmt: skip
+                                 dist.ReduceOp.MAX)
         segments += [StepModule.EMPTY] * (int(count) - len(segments))
     elif not segments:
         segments = [StepModule.EMPTY]

@@ -117,6 +117,6 @@ class Validation:
                 "validation at step %d: estimated acceptance %.4f (best %.4f at step %d)",
                 step, record["acceptance_length"], self.best["acceptance_length"],
                 self.best["step"],
-            )  # fmt: skip
+            )
         self.world.barrier()
         return self.should_stop

@@ -39,7 +39,7 @@ PROMPT_ROWS = [
     ({"no_prompt_here": 1}, None),
     ({"prompt": "fox, how are you?"}, [[{"role": "user", "content": "fox, how are you?"}]]),
     ({"prompt": "are"}, [[{"role": "user", "content": "are"}]]),
-]  # fmt: skip
+]
 
 
 def tiny_chat_target(path: Path, seed: int = 0, chat_template: bool = True) -> Path:
@@ -68,7 +68,7 @@ def tiny_chat_target(path: Path, seed: int = 0, chat_template: bool = True) -> P
         hidden_size=HIDDEN, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_hidden_layers=LAYERS, vocab_size=VOCAB, max_position_embeddings=512,
         bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -85,4 +85,4 @@ def gen_args(target, prompts, output, *extra):
         "generate-data", "--target", str(target), "--prompts", str(prompts), "--output",
         str(output), "--max-new-tokens", str(MAX_NEW), "--batch-size", "3",
         "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size", "40", *extra,
-    ]  # fmt: skip
+    ]

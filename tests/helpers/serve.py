@@ -36,16 +36,16 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(command: Callable[[int], list[str]], log: Path, cwd: Path,
-                env: dict | None = None) -> Iterator[str]:  # fmt: skip
+                env: dict | None = None) -> Iterator[str]:
     """``command(port)`` (a ``vllm serve`` command line) running until the block ends; yields
     its base URL once ``/health`` answers. A server that exits or misses the deadline fails
     the test with its log's tail."""
     port = free_port()
     env = {"VLLM_CPU_OMP_THREADS_BIND": last_core(), **os.environ, "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}  # fmt: skip
+           "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with open(log, "w") as out:
         server = subprocess.Popen(command(port), cwd=cwd, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                  stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + START_S

@@ -20,13 +20,13 @@ def train_args(workdir, save, *extra):
         "--data-path", str(workdir / "data"), "--save-path", str(save),
         "--draft-vocab-size", str(DRAFT_VOCAB), "--num-depths", "3", "--total-seq-len", "96",
         "--seed", "3", "--lr", "0.01", *extra,
-    ]  # fmt: skip
+    ]
 
 
 def config_for(workdir, save, **kw):
     defaults = {"verifier_name_or_path": str(workdir / "target"),
                 "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01,
-                "total_seq_len": 96}  # fmt: skip
+                "total_seq_len": 96}
     return TrainConfig.from_sources(
         save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, **(defaults | kw)
     )
@@ -47,7 +47,7 @@ def reference_step(workdir, save, partitions, world_size=2, **kw):
     rows = PackedBatches(
         setup.batches.data, config.data.total_seq_len, seed=config.seed, rank=0,
         world_size=world_size,
-    ).global_rows(0, 0)  # fmt: skip
+    ).global_rows(0, 0)
     module = setup.module
     setup.optimizer.zero_grad()
     for rank, row in enumerate(rows):
