@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 # Inductor's default mode and automatic dynamic shapes, as speculators compiles its
 # forward: max-autotune benchmarks every template config at each new shape, minutes on a
 # GPU. `speculators-peagle selftest --device cuda` checks that this compile succeeds on the
-# user's torch (eval/RESULTS.md, section 13, has what it found).
+# user's torch (docs/selftest.md says what the first GPU runs found).
 _peagle_flex_attention_compiled = torch.compile(flex_attention)
 # Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
 # once it has; every later call of that signature is refused.
