@@ -5,10 +5,13 @@ Usage (after the long recipe,
 training data and validation data every cell shares)::
 
     .venv/bin/python -m eval.scaling --run-dir runs/long --prompts 220,1000,4430 \\
-        --steps 500,1000,2000,4000 --num-layers 1,2 --seeds 42 \\
+        --steps 500,1000,2000,4000 --num-layers 1,2 --seeds 42 [--more-data DIR] \\
         [--config configs/long_smollm2_train.yaml] [--out runs/scaling] [--report eval/scaling]
 
-A cell is N prompts, a draft of L layers and a seed:
+A cell is N prompts, a draft of L layers and a seed. ``--more-data`` adds prompts beyond the
+run's: a generate-data output of further prompts made with the run data's settings (for
+example the same mix with more ShareGPT, its first prompts the run's, left out), read after
+the run's own rows.
 
 - data: ``OUT/data/prompts-<N>``, the rows of the run's first N training prompts
   (``train_prompts.jsonl``: the demo's 220, then MBPP, then ShareGPT), hidden states
@@ -127,6 +130,49 @@ def run_inputs(run_dir: Path) -> dict:
     }
 
 
+def more_data_inputs(run_dir: Path, inputs: dict, dirs: Sequence[str]) -> list[dict]:
+    """Each ``--more-data`` directory's data and prompts: a generate-data output of further
+    training prompts, made with the run data's settings, whose prompts are neither the run's
+    training nor its validation prompts (a larger cell reads the run's rows, then theirs)."""
+    from speculators_peagle_plugin.data.layout import SETTINGS_FILE
+    from speculators_peagle_plugin.data.prompts import read_training_prompts
+    from speculators_peagle_plugin.datagen.build_data import _IDENTITY_KEYS
+
+    def settings(data: Path) -> dict:
+        path = data / SETTINGS_FILE
+        if not path.is_file():
+            raise SystemExit(f"--more-data {data} holds no {SETTINGS_FILE}; give a "
+                             "generate-data output directory.")
+        return json.loads(path.read_text())
+
+    def keys(prompts: str) -> set[str]:
+        conversations, _ = read_training_prompts(prompts, guard=False)
+        return {json.dumps(c, sort_keys=True) for c in conversations}
+
+    run = settings(Path(inputs["data"]))
+    validation = RunLayout(run_dir).validation_prompts
+    seen = keys(inputs["prompts"]) | (keys(str(validation)) if validation.is_file() else set())
+    more = []
+    for name in dirs:
+        data = Path(name).resolve()
+        mine = settings(data)
+        for key in (k for k in _IDENTITY_KEYS if k != "prompts"):
+            if mine.get(key) != run.get(key):
+                raise SystemExit(
+                    f"--more-data {name} was made with {key} {mine.get(key)!r}, the run's data "
+                    f"with {run.get(key)!r}; generate it with the run's settings."
+                )
+        shared = keys(mine["prompts"]) & seen
+        if shared:
+            raise SystemExit(
+                f"--more-data {name}: {len(shared)} of its prompts are already the run's "
+                "training or validation prompts; give it only new prompts."
+            )
+        seen |= keys(mine["prompts"])
+        more.append({"data": str(data), "prompts": mine["prompts"]})
+    return more
+
+
 def rendered_prompts(prompts: str, target: str) -> list[list[int]]:
     """The token ids generate-data's first request of each training prompt begins with:
     its system and first user turn in the target's chat template."""
@@ -165,18 +211,20 @@ def prompt_of_rows(rows: Sequence[Sequence[int]], prompts: Sequence[Sequence[int
 # -------------------------------------------------------------------------------- data
 
 
-def prefix_data(data: Path, rows: int, out: Path, draft_vocab_size: int) -> Path:
+def prefix_data(data: Path | Sequence[Path], rows: int, out: Path, draft_vocab_size: int) -> Path:
     """``out``: the first ``rows`` rows of the speculators data ``data``, ready for train.
 
-    The Arrow rows are copied (``select(range(rows))``, ``save_to_disk``); each
-    ``hidden_states/hs_<i>.safetensors`` is a symbolic link to the full data's file (a
-    prefix keeps the row indices); ``token_freq.pt`` is counted from these rows with
-    speculators' ``save_token_frequency_distribution`` (what generate-data writes) and
-    ``d2t``/``t2d`` built from it (``TrainingData.vocab_mapping``, as train builds them).
-    Kept while ``prefix.json`` names the same source, rows and vocabulary size.
+    ``data``: one generate-data output, or several read one after another (the run's data,
+    then ``--more-data``). The Arrow rows are copied (``select(range(rows))``,
+    ``save_to_disk``); each ``hidden_states/hs_<i>.safetensors`` is a symbolic link to its
+    source's file (row i of the second source is that source's row i - len(first));
+    ``token_freq.pt`` is counted from these rows with speculators'
+    ``save_token_frequency_distribution`` (what generate-data writes) and ``d2t``/``t2d``
+    built from it (``TrainingData.vocab_mapping``, as train builds them). Kept while
+    ``prefix.json`` names the same sources, rows and vocabulary size.
     Example: 4430 rows, rows 212 -> 212 Arrow rows, links hs_0 .. hs_211.
     """
-    from datasets import load_from_disk
+    from datasets import concatenate_datasets, load_from_disk
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
     from speculators_peagle_plugin.data.dataset import open_training_data
@@ -187,17 +235,25 @@ def prefix_data(data: Path, rows: int, out: Path, draft_vocab_size: int) -> Path
         hs_path,
     )
 
-    marker = {"source": str(data.resolve()), "rows": rows, "draft_vocab_size": draft_vocab_size}
+    sources = [Path(data)] if isinstance(data, (str, Path)) else [Path(d) for d in data]
+    names = [str(d.resolve()) for d in sources]
+    marker = {"source": names[0] if len(names) == 1 else names, "rows": rows,
+              "draft_vocab_size": draft_vocab_size}
     done = out / PREFIX_FILE
     if not (done.is_file() and json.loads(done.read_text()) == marker):
         with atomic_directory(out) as tmp:
-            dataset = load_from_disk(str(data)).select(range(rows))
+            parts = [load_from_disk(str(d)) for d in sources]
+            dataset = concatenate_datasets(parts).select(range(rows))
             dataset.save_to_disk(str(tmp))
-            source, links = (data / HIDDEN_STATES_DIR).resolve(), tmp / HIDDEN_STATES_DIR
+            links = tmp / HIDDEN_STATES_DIR
             links.mkdir()
-            for i in range(rows):
-                hs_path(links, i).symlink_to(hs_path(source, i))
-            shutil.copy2(data / SETTINGS_FILE, tmp / SETTINGS_FILE)
+            i = 0
+            for source, part in zip(sources, parts, strict=True):
+                states = (source / HIDDEN_STATES_DIR).resolve()
+                for j in range(min(len(part), rows - i)):
+                    hs_path(links, i + j).symlink_to(hs_path(states, j))
+                i += len(part)
+            shutil.copy2(sources[0] / SETTINGS_FILE, tmp / SETTINGS_FILE)
             save_token_frequency_distribution(
                 dataset.with_format("torch"), output_path=tmp / TOKEN_FREQ_FILE
             )
@@ -499,6 +555,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", action="append",
                         help="Comma-separated; repeatable [default: 42].")
     parser.add_argument("--num-layers", default="1,2", help="Draft depths.")
+    parser.add_argument("--more-data", action="append", default=[],
+                        help="A generate-data output of further training prompts, made with "
+                        "the run data's settings; read after the run's (repeatable).")
     parser.add_argument("--config", default="configs/long_smollm2_train.yaml",
                         help="The training YAML.")
     parser.add_argument("--out", default="runs/scaling",
@@ -533,20 +592,25 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
     inputs = run_inputs(run_dir)
     if not Path(args.config).is_file():
         raise SystemExit(f"--config {args.config} is not a file; give the training YAML.")
-    _echo(f"mapping the rows of {inputs['data']} to {inputs['prompts']}")
-    prompt_ids = rendered_prompts(inputs["prompts"], inputs["target"])
-    too_many = [n for n in args.prompts if n > len(prompt_ids)]
+    inputs["more_data"] = more_data_inputs(run_dir, inputs, args.more_data)
+    sources = [{"data": inputs["data"], "prompts": inputs["prompts"]}, *inputs["more_data"]]
+    of_row, total = [], 0  # the prompt (counted over every source) each row answers
+    for source in sources:
+        _echo(f"mapping the rows of {source['data']} to {source['prompts']}")
+        prompt_ids = rendered_prompts(source["prompts"], inputs["target"])
+        rows = load_from_disk(source["data"]).with_format(None)["input_ids"]
+        try:
+            of_row += [total + p for p in prompt_of_rows(rows, prompt_ids)]
+        except ValueError as err:
+            msg = f"{source['data']} was not generated from {source['prompts']}: {err}."
+            raise SystemExit(msg) from None
+        total += len(prompt_ids)
+    too_many = [n for n in args.prompts if n > total]
     if too_many:
         raise SystemExit(
-            f"--prompts {too_many[0]} is more than the {len(prompt_ids)} prompts of "
-            f"{inputs['prompts']}."
+            f"--prompts {too_many[0]} is more than the {total} prompts of "
+            f"{' + '.join(s['prompts'] for s in sources)}."
         )
-    rows = load_from_disk(inputs["data"]).with_format(None)["input_ids"]
-    try:
-        of_row = prompt_of_rows(rows, prompt_ids)
-    except ValueError as err:
-        msg = f"{inputs['data']} was not generated from {inputs['prompts']}: {err}."
-        raise SystemExit(msg) from None
     native_bf16 = _cpu_has_bfloat16()
     yaml_path = train_yaml(Path(args.config), out / "train.yaml", native_bf16)
     yaml_sha256 = _sha256(yaml_path.read_bytes())
@@ -567,7 +631,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
         data = out / "data" / f"prompts-{n}"
         name = f"p{n}-l{layers}-s{seed}"
         _echo(f"[{i + 1}/{len(cells)}] {name}: data {data} ({count} rows)")
-        prefix_data(Path(inputs["data"]), count, data, vocab)
+        prefix_data([Path(s["data"]) for s in sources], count, data, vocab)
         config = config_for(data, out / "cells" / name / "train", layers, seed)
         cell = {"dir": str(out / "cells" / name), "prompts": n, "rows": count,
                 "layers": layers, "seed": seed}

@@ -330,3 +330,63 @@ def test_one_sentence_refusals(run_dir, tmp_path):
         assert str(err.value) == f"--steps must be comma-separated positive integers, got {bad!r}."
     with pytest.raises(SystemExit, match="--seeds must be comma-separated integers >= 0"):
         scaling.parse_args(["--seeds", "-1"])
+
+
+def test_more_data_continues_the_run_as_one_larger_generation_would(run_dir, tmp_path, heldout):
+    """The run's first 10 prompts and rows as a run, the other 6 as a --more-data output:
+    a 16-prompt cell reads the same rows, states and vocabulary as the whole data."""
+    from datasets import load_from_disk
+
+    full, lines = run_dir / "data", (run_dir / "train_prompts.jsonl").read_text().splitlines(True)
+    short = tmp_path / "short"
+    short.mkdir()
+    shutil.copy(run_dir.parent / "tiny.yaml", tmp_path / "tiny.yaml")
+    (short / "train_prompts.jsonl").write_text("".join(lines[:10]))
+    scaling.prefix_data(full, 10, short / "data", 40)
+    (short / "validation-data").symlink_to(full)
+    stages = json.loads((run_dir / "stages.json").read_text())
+    stages["data"]["inputs"]["prompts"] = hashlib.sha256(
+        (short / "train_prompts.jsonl").read_bytes()).hexdigest()
+    (short / "stages.json").write_text(json.dumps(stages))
+    more = tmp_path / "more"
+    load_from_disk(str(full)).select(range(10, 16)).save_to_disk(str(more))
+    (more / "hidden_states").mkdir()
+    for j in range(6):
+        (more / f"hidden_states/hs_{j}.safetensors").symlink_to(
+            full / f"hidden_states/hs_{10 + j}.safetensors")
+    (more / "prompts.jsonl").write_text("".join(lines[10:]))
+    settings = json.loads((full / "generation_settings.json").read_text())
+    (more / "generation_settings.json").write_text(
+        json.dumps({**settings, "prompts": str(more / "prompts.jsonl")}))
+
+    out = tmp_path / "scaling"
+    args = grid_args(short, out, "--more-data", str(more))
+    args.prompts, args.num_layers, args.steps = [16], [1], [2]
+    record = scaling.run_grid(args, FakeCli())
+    assert record["run"]["more_data"] == [
+        {"data": str(more), "prompts": str(more / "prompts.jsonl")}]
+    cell = out / "data/prompts-16"
+    assert rows_of(cell).to_dict() == rows_of(full).to_dict()
+    for i in range(16):
+        name = f"hidden_states/hs_{i}.safetensors"
+        assert (cell / name).resolve() == (full / name).resolve()
+    assert torch.load(cell / "token_freq.pt") == torch.load(full / "token_freq.pt")
+    assert json.loads((out / "cells/p16-l1-s0/plan.json").read_text())["rows"] == 16
+
+    def refused(*extra):
+        with pytest.raises(SystemExit) as err:
+            scaling.run_grid(grid_args(short, out, *extra), lambda a: pytest.fail(f"ran {a}"))
+        return str(err.value)
+
+    (more / "prompts.jsonl").write_text("".join(lines[8:]))  # two of the run's prompts again
+    assert refused("--more-data", str(more)) == (
+        f"--more-data {more}: 2 of its prompts are already the run's training or validation "
+        "prompts; give it only new prompts.")
+    (more / "generation_settings.json").write_text(
+        json.dumps({**settings, "prompts": str(more / "prompts.jsonl"), "temperature": 0.5}))
+    assert refused("--more-data", str(more)) == (
+        f"--more-data {more} was made with temperature 0.5, the run's data with "
+        f"{settings['temperature']!r}; generate it with the run's settings.")
+    assert refused("--more-data", str(tmp_path)) == (
+        f"--more-data {tmp_path} holds no generation_settings.json; give a generate-data "
+        "output directory.")
