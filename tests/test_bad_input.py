@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import DRAFT_VOCAB, run_cli, train_args
+from helpers.training import DRAFT_VOCAB, refusal, run_cli, train_args
 from tiny import tiny_workdir
 
 from speculators_peagle_plugin.common.lock import LOCK_FILE, DirectoryLocked, exclusive_directory
@@ -37,15 +37,6 @@ def trained(workdir, tmp_path_factory):
     assert code == 0, out
     assert [p.name for p in checkpoint_dirs(save)] == ["checkpoint-1", "checkpoint-2"]
     return save
-
-
-def refusal(code, out):
-    """The one-line error of a refused command."""
-    assert code == 1, out
-    assert "Traceback" not in out
-    line = out.strip().splitlines()[-1]
-    assert line.startswith("Error: "), out
-    return line
 
 
 def truncate(path: Path, keep: int = 100) -> None:
@@ -356,65 +347,3 @@ def test_what_a_killed_run_left_is_cleared_and_the_rerun_resumes(
     assert f"took over the lock of PID {dead}" in caplog.text
     assert "resumed from" in caplog.text and "at step 2" in caplog.text
     assert sorted(p.name for p in save.iterdir() if p.name.startswith(".")) == []
-
-
-# ------------------------------------------------------------------ online training
-
-
-def token_only_data(path: Path, rows: dict) -> Path:
-    from datasets import Dataset
-
-    Dataset.from_dict(rows).save_to_disk(str(path))
-    return path
-
-
-@pytest.mark.parametrize(
-    ("extra", "drop", "sentence"),
-    [
-        (["--prompts", "chat"], (), "--prompts needs --online"),
-        (["--online", "--prompts", "chat"], (), "Pass one of --data-path or --prompts, not both."),
-        (["--online", "--prompts", "/nonexistent.jsonl"], ("--data-path",),
-         "--prompts /nonexistent.jsonl does not exist."),
-        (["--online"], ("--data-path",), "--prompts can stand in for it"),
-        (["--online"], ("--verifier-name-or-path",), "(--online runs the target inside training)"),
-        (["--online-cache", "ram"], (), "--online-cache is used only with --online"),
-        (["--online", "--temperature", "0.7"], (), "--temperature is used only with --prompts"),
-        (["--online", "--online-cache-gib", "0"], (), "online_cache_gib"),
-    ],
-)
-def test_online_settings_that_cannot_work_are_one_sentence(workdir, tmp_path, extra, drop,
-                                                            sentence):
-    args = train_args(workdir, tmp_path / "save", "--max-steps", "1", *extra)
-    for flag in drop:
-        i = args.index(flag)
-        del args[i : i + 2]
-    line = refusal(*run_cli(args))
-    assert sentence in line, line
-    assert not (tmp_path / "save").exists()
-
-
-def test_online_data_without_token_ids_or_with_another_vocabulary_is_one_sentence(
-    workdir, tmp_path
-):
-    no_ids = token_only_data(tmp_path / "no_ids", {"loss_mask": [[0, 1]], "seq_len": [2]})
-    other = token_only_data(
-        tmp_path / "other", {"input_ids": [[3, 500]], "loss_mask": [[0, 1]], "seq_len": [2]}
-    )
-    for data, sentence in (
-        (no_ids, "lacks the column(s) ['input_ids']"),
-        (other, "holds token id 500, outside the target's vocabulary of 96"),
-    ):
-        args = train_args(workdir, tmp_path / "save", "--online", "--target-layer-ids", "1,2,3")
-        args[args.index("--data-path") + 1] = str(data)
-        line = refusal(*run_cli(args))
-        assert str(data) in line and sentence in line, line
-        assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
-
-
-def test_offline_training_on_token_ids_alone_points_to_online(workdir, tmp_path):
-    tokens = tmp_path / "tokens"
-    shutil.copytree(workdir / "data", tokens, ignore=shutil.ignore_patterns("hidden_states"))
-    args = train_args(workdir, tmp_path / "save", "--max-steps", "1")
-    args[args.index("--data-path") + 1] = str(tokens)
-    line = refusal(*run_cli(args))
-    assert "holds token ids but no hidden states" in line and "--online" in line, line

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import DRAFT_VOCAB, config_for, reference_step, run_cli, train_args
+from helpers.training import (
+    DRAFT_VOCAB,
+    config_for,
+    reference_step,
+    refusal,
+    run_cli,
+    train_args,
+)
 from safetensors.torch import load_file
 from tiny import tiny_workdir
 
@@ -238,3 +245,65 @@ def test_two_ranks_online_equal_one_offline_process_on_the_global_batch(workdir,
         changed += not torch.equal(value, initial[key])
     assert changed >= 3
     assert not list(Path(save).rglob("hs_*"))
+
+
+# ------------------------------------------------------------------ bad input (docs/bad_input.md)
+
+
+def token_only_data(path: Path, rows: dict) -> Path:
+    from datasets import Dataset
+
+    Dataset.from_dict(rows).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "drop", "sentence"),
+    [
+        (["--prompts", "chat"], (), "--prompts needs --online"),
+        (["--online", "--prompts", "chat"], (), "Pass one of --data-path or --prompts, not both."),
+        (["--online", "--prompts", "/nonexistent.jsonl"], ("--data-path",),
+         "--prompts /nonexistent.jsonl does not exist."),
+        (["--online"], ("--data-path",), "--prompts can stand in for it"),
+        (["--online"], ("--verifier-name-or-path",), "(--online runs the target inside training)"),
+        (["--online-cache", "ram"], (), "--online-cache is used only with --online"),
+        (["--online", "--temperature", "0.7"], (), "--temperature is used only with --prompts"),
+        (["--online", "--online-cache-gib", "0"], (), "online_cache_gib"),
+    ],
+)
+def test_online_settings_that_cannot_work_are_one_sentence(workdir, tmp_path, extra, drop,
+                                                            sentence):
+    args = train_args(workdir, tmp_path / "save", "--max-steps", "1", *extra)
+    for flag in drop:
+        i = args.index(flag)
+        del args[i : i + 2]
+    line = refusal(*run_cli(args))
+    assert sentence in line, line
+    assert not (tmp_path / "save").exists()
+
+
+def test_online_data_without_token_ids_or_with_another_vocabulary_is_one_sentence(
+    workdir, tmp_path
+):
+    no_ids = token_only_data(tmp_path / "no_ids", {"loss_mask": [[0, 1]], "seq_len": [2]})
+    other = token_only_data(
+        tmp_path / "other", {"input_ids": [[3, 500]], "loss_mask": [[0, 1]], "seq_len": [2]}
+    )
+    for data, sentence in (
+        (no_ids, "lacks the column(s) ['input_ids']"),
+        (other, "holds token id 500, outside the target's vocabulary of 96"),
+    ):
+        args = train_args(workdir, tmp_path / "save", "--online", "--target-layer-ids", "1,2,3")
+        args[args.index("--data-path") + 1] = str(data)
+        line = refusal(*run_cli(args))
+        assert str(data) in line and sentence in line, line
+        assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
+
+
+def test_offline_training_on_token_ids_alone_points_to_online(workdir, tmp_path):
+    tokens = tmp_path / "tokens"
+    shutil.copytree(workdir / "data", tokens, ignore=shutil.ignore_patterns("hidden_states"))
+    args = train_args(workdir, tmp_path / "save", "--max-steps", "1")
+    args[args.index("--data-path") + 1] = str(tokens)
+    line = refusal(*run_cli(args))
+    assert "holds token ids but no hidden states" in line and "--online" in line, line

@@ -38,6 +38,15 @@ def run_cli(args):
     return result.exit_code, result.output
 
 
+def refusal(code, out):
+    """The one-line error of a refused command."""
+    assert code == 1, out
+    assert "Traceback" not in out
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("Error: "), out
+    return line
+
+
 def reference_step(workdir, save, partitions, world_size=2, **kw):
     """One optimizer step in this process on the global batch of ``world_size`` rows:
     the mean of the rows' losses, each row's COD drawn as that rank draws it. ``kw``: more
