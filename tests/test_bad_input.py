@@ -216,6 +216,18 @@ def test_the_same_save_path_spelled_differently_resumes(
     assert f"final checkpoint: {Path('save') / 'checkpoint-3'}" in out
 
 
+def test_a_save_path_that_is_a_file_is_one_sentence(tmp_path):
+    save = tmp_path / "save"
+    save.write_text("mine")
+    argv = ["train", "--verifier-name-or-path", str(tmp_path / "target"),
+            "--data-path", str(tmp_path / "data"), "--save-path", str(save)]
+    assert refusal(*run_cli(argv)) == (
+        f"Error: --save-path {save} is a file, not a directory; choose a new or empty "
+        "directory, or the save path of the run to resume."
+    )
+    assert save.read_text() == "mine"
+
+
 def test_resume_into_a_new_save_path_continues_there(workdir, trained, tmp_path, caplog):
     new = tmp_path / "new"
     resume = ["--resume", str(trained / "checkpoint-1"), "--max-steps", "2"]

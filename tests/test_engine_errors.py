@@ -1,7 +1,6 @@
 """A vLLM engine that cannot start, in one sentence: the cause read from the worker's log
 (vLLM's own error only says "See root cause above"), the log's path and what to try; a
-parallel size the machine cannot host, refused before any process starts; a --save-path
-that is a file.
+parallel size the machine cannot host, refused before any process starts.
 
 The log snippets are what vLLM 0.32 (CPU) writes: its logger prefixes every line of a
 message, tracebacks included, with the process, level, time and source and joins them with
@@ -395,18 +394,3 @@ def test_generate_data_refuses_a_parallel_size_before_any_process_starts(
         "one of its own, and this machine has 1 (2 cores); use --tensor-parallel-size 1."
     )
     assert not out.exists()  # nothing half-written
-
-
-# ------------------------------------------------------------------ a save path that is a file
-
-
-def test_a_save_path_that_is_a_file_is_one_sentence(tmp_path):
-    save = tmp_path / "save"
-    save.write_text("mine")
-    argv = ["train", "--verifier-name-or-path", str(tmp_path / "target"),
-            "--data-path", str(tmp_path / "data"), "--save-path", str(save)]
-    assert error_line(CliRunner().invoke(main, argv)) == (
-        f"Error: --save-path {save} is a file, not a directory; choose a new or empty "
-        "directory, or the save path of the run to resume."
-    )
-    assert save.read_text() == "mine"
