@@ -158,6 +158,16 @@ def test_every_subpackage_docstring_names_its_modules():
     assert not unnamed, unnamed
 
 
+def test_no_module_is_over_400_lines():
+    """Every Python module of the tree (package, eval, tests) reads in one sitting."""
+    repo = Path(speculators_peagle_plugin.__file__).parents[1]
+    long = [f"{p.relative_to(repo)}: {n}"
+            for top in ("speculators_peagle_plugin", "eval", "tests")
+            for p in (repo / top).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, long
+
+
 def test_entry_point_resolves_to_the_algorithm_object():
     (ep,) = [e for e in entry_points(group="speculators.algorithms") if e.name == "peagle"]
     algo = ep.load()
