@@ -168,19 +168,13 @@ class EvalConfig(Settings):
         show=None,
     )
     servers: tuple[str, ...] = _opt(
-        (),
-        "URL of a running OpenAI-compatible vLLM server to measure instead of starting engines "
+        (), "URL of a running OpenAI-compatible vLLM server to measure instead of starting engines "
         "(repeatable); one that does not draft is the no-draft baseline.",
-        flag="--server",
-        multiple=True,
-        show=None,
+        flag="--server", multiple=True, show=None,
     )
     labels: tuple[str, ...] = _opt(
-        (),
-        "The table's name for each --server, in the same order (repeatable).",
-        flag="--label",
-        multiple=True,
-        show="the model name the server reports",
+        (), "The table's name for each --server, in the same order (repeatable).", flag="--label",
+        multiple=True, show="the model name the server reports",
     )
 
     def __post_init__(self) -> None:

@@ -143,12 +143,9 @@ class PEagleTrainerModule(torch.nn.Module):
         )
 
     @torch.no_grad()
-    def greedy_steps(
-        self,
-        input_ids: torch.Tensor,
-        target_logits: torch.Tensor | None = None,
-        verifier_last_hidden_states: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def greedy_steps(self, input_ids: torch.Tensor, target_logits: torch.Tensor | None = None,
+                     verifier_last_hidden_states: torch.Tensor | None = None,
+                     ) -> torch.Tensor | None:
         """``[B, L]`` bool: the token after slot ``s`` is the target's argmax at ``s``
         (the last slot: False); ``None`` unless ``greedy_chains``.
 
