@@ -242,3 +242,18 @@ def test_speculators_side_whose_default_loss_fails_is_measured_with_its_eager_lo
     eager = perf._theirs(SHAPES["tiny"], torch.device("cpu"), "none")
     eager(row, 0)
     assert eager.note is None
+
+
+@pytest.mark.slow
+def test_without_quick_the_torchrun_checks_pass_on_two_cpu_ranks():
+    """DDP and FSDP, two CPU ranks each: gradients and loss match one process on the same rows
+    (the path --quick leaves out, and the one a GPU run takes with 2+ devices)."""
+    from speculators_peagle_plugin.selftest.distributed_checks import distributed_checks
+    from speculators_peagle_plugin.selftest.shapes import SHAPES
+
+    checks = distributed_checks(SHAPES["tiny"], torch.device("cpu"), seq_len=128, warmup=0,
+                                steps=1, quick=False)
+    assert [(c.name, c.status) for c in checks] == [
+        ("torchrun DDP", "PASS"), ("torchrun FSDP", "PASS")], [c.detail for c in checks]
+    for check in checks:
+        assert check.data["ranks"] == 2 and check.data["speed"]["tokens_per_s"] > 0
