@@ -1,0 +1,97 @@
+"""The prompts that continue a long run: a larger prompt spec's prompts after the run's own.
+
+Usage (a larger cell of ``eval.scaling``: new prompts only, the run's replies kept)::
+
+    .venv/bin/python -m eval.extend_prompts --run-dir runs/long \\
+        --prompts "humaneval[0:120]+chat[0:100]+mbpp[:450]+sharegpt[:10887]" \\
+        --out runs/long-ext/train_prompts.jsonl
+    # then the generate-data command it prints (the run's data settings), and
+    .venv/bin/python -m eval.scaling --run-dir runs/long --more-data runs/long-ext/data ...
+
+The spec's prompts are listed as the run's prompts stage lists them (the demo's
+``write_prompts``: deduplicated, the run's eval sets held out, the run's prompt-length cap);
+the run's training prompts must be the first of them (else the spec does not extend the
+run: refused), and the ones after them are written, less any that is one of the run's
+validation prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+from pathlib import Path
+
+from eval.scaling_cells import run_inputs
+from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.demo.artifacts import RunLayout, write_prompts
+from speculators_peagle_plugin.demo.stages import STATE_FILE
+
+
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().split("\n") if line]
+
+
+def _key(line: str) -> str:
+    return json.dumps(json.loads(line), sort_keys=True)
+
+
+def extend_prompts(run_dir: Path, spec: str, out: Path) -> int:
+    """Write the prompts of ``spec`` that come after ``run_dir``'s training prompts (less its
+    validation prompts) to ``out``; returns their count."""
+    inputs = run_inputs(run_dir)
+    stages = json.loads((run_dir / STATE_FILE).read_text())
+    listed = stages["prompts"]["inputs"]
+    keep = None
+    if listed.get("max_prompt_tokens") is not None:
+        from transformers import AutoTokenizer
+
+        from speculators_peagle_plugin.data.prompts import render_conversation
+
+        tokenizer = AutoTokenizer.from_pretrained(inputs["target"])
+
+        def keep(conversation: list[dict]) -> bool:
+            return len(render_conversation(tokenizer, conversation)) <= listed["max_prompt_tokens"]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        every = Path(tmp) / "prompts.jsonl"
+        write_prompts((spec,), tuple(listed["eval"]), every, keep)
+        lines = _lines(every)
+    layout = RunLayout(run_dir)
+    run = _lines(layout.prompts)
+    if [_key(line) for line in lines[: len(run)]] != [_key(line) for line in run]:
+        raise SystemExit(
+            f"--prompts {spec!r} does not begin with the {len(run)} training prompts of "
+            f"{run_dir}; give a spec that extends the run's ({', '.join(listed['specs'])})."
+        )
+    validation = layout.validation_prompts
+    held = {_key(line) for line in _lines(validation)} if validation.is_file() else set()
+    more = [line for line in lines[len(run) :] if _key(line) not in held]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "".join(line + "\n" for line in more))
+    print(f"{len(more)} prompts after the run's {len(run)} -> {out} "
+          f"({len(lines) - len(run) - len(more)} left out: validation prompts)")
+    data = stages["data"]["inputs"]
+    command = ["speculators-peagle", "generate-data", "--target", inputs["target"],
+               "--prompts", str(out), "--output", str(out.parent / "data"),
+               "--max-new-tokens", str(data["max_new_tokens"]),
+               "--num-samples", str(data["num_samples"]),
+               "--temperature", str(data["temperature"]), "--backend", data["backend"],
+               "--dtype", inputs["dtype"]]
+    print("next:", shlex.join(command))
+    return len(more)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", default="runs/long", help="A long-recipe run directory.")
+    parser.add_argument("--prompts", required=True,
+                        help="A prompt spec whose first prompts are the run's.")
+    parser.add_argument("--out", required=True, help="The prompts file to write (.jsonl).")
+    args = parser.parse_args(argv)
+    extend_prompts(Path(args.run_dir), args.prompts, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""eval/extend_prompts.py: a larger spec's prompts after a run's own, less its validation
+prompts; the oracle is the prompt set itself."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eval.extend_prompts import extend_prompts  # noqa: E402
+from speculators_peagle_plugin.data.prompts import load_prompt_set  # noqa: E402
+from speculators_peagle_plugin.demo.artifacts import write_prompts  # noqa: E402
+
+
+def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, capsys):
+    run = tmp_path / "long"
+    run.mkdir()
+    held_out = ("humaneval[120:164]",)
+    write_prompts(("chat[0:4]",), held_out, run / "train_prompts.jsonl")
+    chat = load_prompt_set("chat[0:8]").conversations
+    (run / "validation_prompts.jsonl").write_text(json.dumps({"messages": chat[6]}) + "\n")
+    sha = hashlib.sha256((run / "train_prompts.jsonl").read_bytes()).hexdigest()
+    replies = {"prompts": sha, "dtype": "float32", "max_new_tokens": 8, "num_samples": 1,
+               "temperature": 0.7, "backend": "vllm"}
+    (run / "stages.json").write_text(json.dumps({
+        "target": {"outputs": {"path": str(tmp_path / "target")}},
+        "prompts": {"inputs": {"specs": ["chat[0:4]"], "eval": list(held_out)}},
+        "data": {"inputs": replies}, "validation data": {"inputs": {}},
+    }))
+    out = tmp_path / "ext" / "train_prompts.jsonl"
+    assert extend_prompts(run, "chat[0:8]", out) == 3
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert rows == [chat[4], chat[5], chat[7]]
+    said = capsys.readouterr().out
+    assert f"3 prompts after the run's 4 -> {out} (1 left out: validation prompts)" in said
+    assert f"--prompts {out} --output {out.parent / 'data'} --max-new-tokens 8" in said
+    with pytest.raises(SystemExit) as err:
+        extend_prompts(run, "chat[1:8]", out)
+    assert str(err.value) == (
+        f"--prompts 'chat[1:8]' does not begin with the 4 training prompts of {run}; give a "
+        "spec that extends the run's (chat[0:4])."
+    )
