@@ -9,9 +9,9 @@ training data and validation data every cell shares)::
         [--config configs/long_smollm2_train.yaml] [--out runs/scaling] [--report eval/scaling]
 
 A cell is N prompts, a draft of L layers and a seed. ``--more-data`` adds prompts beyond the
-run's: a generate-data output of further prompts made with the run data's settings (for
-example the same mix with more ShareGPT, its first prompts the run's, left out), read after
-the run's own rows.
+run's: a generate-data output, made with the run data's settings, of further prompts
+(``eval.extend_prompts`` writes those of a larger spec that come after the run's own), read
+after the run's rows.
 
 - data: ``OUT/data/prompts-<N>``, the rows of the run's first N training prompts
   (``train_prompts.jsonl``: the demo's 220, then MBPP, then ShareGPT), hidden states
