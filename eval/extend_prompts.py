@@ -25,7 +25,11 @@ from pathlib import Path
 
 from eval.scaling_cells import run_inputs
 from speculators_peagle_plugin.common.files import atomic_write_text
-from speculators_peagle_plugin.demo.artifacts import RunLayout, write_prompts
+from speculators_peagle_plugin.demo.artifacts import (
+    RunLayout,
+    prompt_length_filter,
+    write_prompts,
+)
 from speculators_peagle_plugin.demo.stages import STATE_FILE
 
 
@@ -43,20 +47,13 @@ def extend_prompts(run_dir: Path, spec: str, out: Path) -> int:
     inputs = run_inputs(run_dir)
     stages = json.loads((run_dir / STATE_FILE).read_text())
     listed = stages["prompts"]["inputs"]
-    keep = None
-    if listed.get("max_prompt_tokens") is not None:
-        from transformers import AutoTokenizer
-
-        from speculators_peagle_plugin.data.prompts import render_conversation
-
-        tokenizer = AutoTokenizer.from_pretrained(inputs["target"])
-
-        def keep(conversation: list[dict]) -> bool:
-            return len(render_conversation(tokenizer, conversation)) <= listed["max_prompt_tokens"]
-
+    keep = prompt_length_filter(listed.get("max_prompt_tokens"), inputs["target"])
     with tempfile.TemporaryDirectory() as tmp:
         every = Path(tmp) / "prompts.jsonl"
-        write_prompts((spec,), tuple(listed["eval"]), every, keep)
+        try:
+            write_prompts((spec,), tuple(listed["eval"]), every, keep)
+        except ValueError as err:  # an eval prompt in the spec
+            raise SystemExit(f"--prompts {spec!r}: {err}") from None
         lines = _lines(every)
     layout = RunLayout(run_dir)
     run = _lines(layout.prompts)

@@ -96,13 +96,14 @@ def more_data_inputs(run_dir: Path, inputs: dict, dirs: Sequence[str]) -> list[d
                     f"--more-data {name} was made with {key} {mine.get(key)!r}, the run's data "
                     f"with {run.get(key)!r}; generate it with the run's settings."
                 )
-        shared = keys(mine["prompts"]) & seen
+        prompts = keys(mine["prompts"])
+        shared = prompts & seen
         if shared:
             raise SystemExit(
                 f"--more-data {name}: {len(shared)} of its prompts are already the run's "
                 "training or validation prompts; give it only new prompts."
             )
-        seen |= keys(mine["prompts"])
+        seen |= prompts
         more.append({"data": str(data), "prompts": mine["prompts"]})
     return more
 

@@ -42,3 +42,10 @@ def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, ca
         f"--prompts 'chat[1:8]' does not begin with the 4 training prompts of {run}; give a "
         "spec that extends the run's (chat[0:4])."
     )
+    with pytest.raises(SystemExit) as err:
+        extend_prompts(run, "chat[0:8]+humaneval[120:121]", out)
+    assert str(err.value) == (
+        "--prompts 'chat[0:8]+humaneval[120:121]': 1 conversation(s) of the eval set "
+        "'humaneval[120:164]' are also training prompts; eval prompts must be held out."
+    )
+    assert len(out.read_text().splitlines()) == 3  # the file written before is untouched

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
-from ..data.prompts import load_prompt_set
+from ..data.prompts import load_prompt_set, render_conversation
 from ..serving.model_card import CARD_FILE, read_card, write_model_card
 from ..training.loop import build_training
 
@@ -17,6 +17,7 @@ __all__ = [
     "RunLayout",
     "has_weights",
     "link_draft",
+    "prompt_length_filter",
     "save_atomically",
     "save_untrained_draft",
     "write_prompts",
@@ -41,6 +42,17 @@ class RunLayout:
 def has_weights(path: Path) -> bool:
     """A model directory (target or draft) whose rename into place completed."""
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def prompt_length_filter(max_prompt_tokens: int | None, target: Path):
+    """``keep(conversation)`` for :func:`write_prompts`: None without a cap, else whether the
+    conversation in ``target``'s chat template is at most ``max_prompt_tokens`` tokens."""
+    if max_prompt_tokens is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return lambda c: len(render_conversation(tokenizer, c)) <= max_prompt_tokens
 
 
 def write_prompts(

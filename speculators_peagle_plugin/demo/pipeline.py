@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..data.prompts import read_training_prompts, render_conversation
+from ..data.prompts import read_training_prompts
 from ..training.checkpoint import checkpoint_dirs
 from ..training.train_config import TrainConfig
 from ..training.validation import BEST_DIR
@@ -46,6 +46,7 @@ from .artifacts import (
     RunLayout,
     has_weights,
     link_draft,
+    prompt_length_filter,
     save_atomically,
     save_untrained_draft,
     write_prompts,
@@ -123,16 +124,6 @@ def _target_stage(stages: Stages) -> Path:
     )["path"])
 
 
-def _prompt_filter(config: DemoConfig, target: Path):
-    """``keep(conversation)`` for :func:`write_prompts`: None, or the prompt-length cap."""
-    if config.max_prompt_tokens is None:
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    return lambda c: len(render_conversation(tokenizer, c)) <= config.max_prompt_tokens
-
-
 def _prompts_stage(
     config: DemoConfig, stages: Stages, path: Path, target: Path, name: str = "prompts",
     specs: tuple[str, ...] | None = None, training: Path | None = None,
@@ -148,7 +139,7 @@ def _prompts_stage(
         inputs["training_left_out"] = True
 
     def write() -> dict:
-        cap = _prompt_filter(config, target)
+        cap = prompt_length_filter(config.max_prompt_tokens, target)
         seen = set() if training is None else {
             json.dumps(c, sort_keys=True) for c in read_training_prompts(training, guard=False)[0]
         }
