@@ -136,6 +136,35 @@ def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypat
     assert flex.compile_failures == {}
 
 
+def test_recompile_limit_falls_back_to_block_sparse_not_eager(monkeypatch, caplog):
+    """Past dynamo's recompile limit the compiled flex function would run eager flex (every
+    score materialised) without a word; the limit is a logged compile failure instead, and
+    the call runs the exact block-sparse path. Real dynamo, its eager backend (CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, backend="eager")
+    monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", compiled)
+    monkeypatch.setattr(flex, "compile_failures", {})
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compile_failed", False)
+    torch._dynamo.reset()
+    anchor, depth, doc = random_cod_elements(6)
+    n = anchor.shape[0]
+    gen = torch.Generator().manual_seed(6)
+    flex_mask = attention.PEagleMask(anchor, depth, doc, None, "flex")
+    chunked_mask = attention.PEagleMask(anchor, depth, doc, None, "chunked")
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
+        for dtype in (torch.float32, torch.float64):  # a dtype is a new variant
+            q, k, v = (torch.randn(1, h, n, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
+            got = attention.peagle_attention(q, k, v, flex_mask, 0.25)
+            want = attention.peagle_attention(q, k, v, chunked_mask, 0.25)
+            torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    assert list(flex.compile_failures) == [("float64", 4, 2, 16, 16)]
+    assert "recompile" in flex.compile_failures["float64", 4, 2, 16, 16].lower()
+    assert any("compile failed for float64" in r.getMessage() for r in caplog.records)
+
+
 def test_compile_support_needs_cuda_and_head_dim_16():
     t = torch.zeros(1, 1, 4, 16)
     assert not flex._peagle_compile_supported(t, t, t)

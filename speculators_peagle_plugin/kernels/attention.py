@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 
 from ..core.peagle_attention import create_peagle_mask_mod, lengths_from_document_ids
 from . import flex
@@ -69,8 +68,8 @@ class PEagleMask:
     def block_mask(self):
         if "block_mask" not in self._cache:
             n = self.anchor_pos.shape[0]
-            self._cache["block_mask"] = create_block_mask(
-                self.mask_mod, None, None, n, n, device=self.anchor_pos.device
+            self._cache["block_mask"] = flex.peagle_block_mask(
+                self.mask_mod, n, self.anchor_pos.device
             )
         return self._cache["block_mask"]
 

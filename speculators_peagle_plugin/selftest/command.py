@@ -155,6 +155,10 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
 
     def report(name: str, run) -> list[Check]:
         """``run()``'s checks; an exception in it is a FAIL of ``name``, and the rest goes on."""
+        if options.device.type == "cuda":
+            # Each section starts with no compiled variants, as a training process does:
+            # the sections' many dtypes and windows together pass dynamo's recompile limit.
+            torch._dynamo.reset()
         try:
             new = run()
         except Exception as err:  # noqa: BLE001 - whatever broke is the finding
