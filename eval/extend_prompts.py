@@ -7,12 +7,17 @@ Usage (a larger cell of ``eval.scaling``: new prompts only, the run's replies ke
         --out runs/long-ext/train_prompts.jsonl
     # then the generate-data command it prints (the run's data settings), and
     .venv/bin/python -m eval.scaling --run-dir runs/long --more-data runs/long-ext/data ...
+    # a second extension continues the first: --after its prompts file
+    .venv/bin/python -m eval.extend_prompts --run-dir runs/long --after \
+        runs/long-ext/train_prompts.jsonl --prompts "...+sharegpt[:10887]+mt_mbpp[:7650]" \
+        --out runs/long-ext2/train_prompts.jsonl
 
 The spec's prompts are listed as the run's prompts stage lists them (the demo's
 ``write_prompts``: deduplicated, the run's eval sets held out, the run's prompt-length cap);
 the run's training prompts must be the first of them (else the spec does not extend the
 run: refused), and the ones after them are written, less any that is one of the run's
-validation prompts.
+validation prompts. With ``--after``, earlier extensions' prompts files, the spec must
+continue them too (in order), and only what comes after them is written.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ def _key(line: str) -> str:
     return json.dumps(json.loads(line), sort_keys=True)
 
 
-def extend_prompts(run_dir: Path, spec: str, out: Path) -> int:
-    """Write the prompts of ``spec`` that come after ``run_dir``'s training prompts (less its
-    validation prompts) to ``out``; returns their count."""
+def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] = ()) -> int:
+    """Write the prompts of ``spec`` that come after ``run_dir``'s training prompts and the
+    prompts files ``after`` (less the run's validation prompts) to ``out``; returns their
+    count."""
     inputs = run_inputs(run_dir)
     stages = json.loads((run_dir / STATE_FILE).read_text())
     listed = stages["prompts"]["inputs"]
@@ -64,11 +70,18 @@ def extend_prompts(run_dir: Path, spec: str, out: Path) -> int:
         )
     validation = layout.validation_prompts
     held = {_key(line) for line in _lines(validation)} if validation.is_file() else set()
-    more = [line for line in lines[len(run) :] if _key(line) not in held]
+    rest = [line for line in lines[len(run) :] if _key(line) not in held]
+    earlier = [line for path in after for line in _lines(path)]
+    if [_key(line) for line in rest[: len(earlier)]] != [_key(line) for line in earlier]:
+        raise SystemExit(
+            f"--prompts {spec!r} does not continue with the {len(earlier)} prompts of "
+            f"{' + '.join(map(str, after))}; give a spec that extends theirs."
+        )
+    more = rest[len(earlier) :]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(line + "\n" for line in more))
-    print(f"{len(more)} prompts after the run's {len(run)} -> {out} "
-          f"({len(lines) - len(run) - len(more)} left out: validation prompts)")
+    print(f"{len(more)} prompts after the run's {len(run) + len(earlier)} -> {out} "
+          f"({len(lines) - len(run) - len(rest)} left out: validation prompts)")
     data = stages["data"]["inputs"]
     command = ["speculators-peagle", "generate-data", "--target", inputs["target"],
                "--prompts", str(out), "--output", str(out.parent / "data"),
@@ -86,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", required=True,
                         help="A prompt spec whose first prompts are the run's.")
     parser.add_argument("--out", required=True, help="The prompts file to write (.jsonl).")
+    parser.add_argument("--after", nargs="+", default=[], metavar="FILE",
+                        help="Earlier extensions' prompts files, in order: the spec continues "
+                        "them, and only its prompts after them are written.")
     args = parser.parse_args(argv)
-    extend_prompts(Path(args.run_dir), args.prompts, Path(args.out))
+    extend_prompts(Path(args.run_dir), args.prompts, Path(args.out),
+                   tuple(Path(p) for p in args.after))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,31 @@ def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, ca
         "'humaneval[120:164]' are also training prompts; eval prompts must be held out."
     )
     assert len(out.read_text().splitlines()) == 3  # the file written before is untouched
+
+
+def test_a_second_extension_continues_the_first(tmp_path, capsys):
+    run = tmp_path / "long"
+    run.mkdir()
+    write_prompts(("chat[0:3]",), ("humaneval[120:164]",), run / "train_prompts.jsonl")
+    chat = load_prompt_set("chat[0:9]").conversations
+    (run / "validation_prompts.jsonl").write_text(json.dumps({"messages": chat[4]}) + "\n")
+    sha = hashlib.sha256((run / "train_prompts.jsonl").read_bytes()).hexdigest()
+    replies = {"prompts": sha, "dtype": "float32", "max_new_tokens": 8, "num_samples": 1,
+               "temperature": 0.7, "backend": "vllm"}
+    (run / "stages.json").write_text(json.dumps({
+        "target": {"outputs": {"path": str(tmp_path / "target")}},
+        "prompts": {"inputs": {"specs": ["chat[0:3]"], "eval": ["humaneval[120:164]"]}},
+        "data": {"inputs": replies}, "validation data": {"inputs": {}},
+    }))
+    first, second = tmp_path / "ext" / "p.jsonl", tmp_path / "ext2" / "p.jsonl"
+    assert extend_prompts(run, "chat[0:6]", first) == 2  # 3 and 5 (4 is validation)
+    assert extend_prompts(run, "chat[0:9]", second, after=(first,)) == 3
+    rows = [json.loads(line)["messages"] for line in second.read_text().splitlines()]
+    assert rows == chat[6:9]
+    assert f"3 prompts after the run's 5 -> {second} (1 left out" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:  # skips the first extension's prompt 3
+        extend_prompts(run, "chat[0:3]+chat[5:9]", second, after=(first,))
+    assert str(err.value) == (
+        f"--prompts 'chat[0:3]+chat[5:9]' does not continue with the 2 prompts of {first}; "
+        "give a spec that extends theirs."
+    )

