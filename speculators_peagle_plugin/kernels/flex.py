@@ -27,8 +27,8 @@ _peagle_flex_attention_compile_failed = False  # True once any compile has faile
 # a reduction per block, as speculators builds its masks inside its compiled forward.
 _peagle_block_mask_compiled = torch.compile(create_block_mask)
 BLOCK_MASK = ("block mask",)  # the compile_failures key of the block-mask build
-# Query rows per slab of the eager block-mask build: each index tensor it gathers is
-# [rows, N], kept near this many elements whatever N is.
+# Query rows per slab of the eager block-mask build: each term of the rule is a [rows, N]
+# tensor, kept near this many elements whatever N is.
 SLAB_ELEMENTS = 1 << 25
 
 
@@ -75,8 +75,8 @@ def peagle_block_mask(mask_mod, n: int, device: torch.device) -> BlockMask:
     without the dense ``[n, n]`` mask.
 
     ``create_block_mask`` evaluates ``mask_mod`` on every (query, key) pair; eagerly,
-    that is a dense ``[n, n]`` tensor per index the rule gathers, tens of GB at a
-    32K-token row (``n`` about 3.4 x the tokens). On CUDA it runs compiled; elsewhere, or
+    that is a dense ``[n, n]`` tensor per term of the rule, memory growing with the square
+    of the row (RESULTS 13 has the figures). On CUDA it runs compiled; elsewhere, or
     where that compile failed (logged once), eagerly over slabs of whole query blocks,
     whose block lists are concatenated: the same ``BlockMask``.
 
