@@ -50,6 +50,11 @@ def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] 
     """Write the prompts of ``spec`` that come after ``run_dir``'s training prompts and the
     prompts files ``after`` (less the run's validation prompts) to ``out``; returns their
     count."""
+    missing = [path for path in after if not path.is_file()]
+    if missing:
+        raise SystemExit(
+            f"--after {missing[0]} is not a file; give the prompts files of earlier extensions."
+        )
     inputs = run_inputs(run_dir)
     stages = json.loads((run_dir / STATE_FILE).read_text())
     listed = stages["prompts"]["inputs"]

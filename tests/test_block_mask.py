@@ -110,3 +110,19 @@ def test_the_compiled_block_mask_equals_create_block_mask(monkeypatch):
         got = flex.peagle_block_mask(mask_mod, n, torch.device("cpu"))
         assert_same_block_mask(got, create_block_mask(mask_mod, None, None, n, n, device="cpu"))
     assert flex.compile_failures == {}
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_runs_shortened():
+    """eval/bench_block_mask.py (RESULTS 13's figures) at one short row: a row per build."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "eval.bench_block_mask", "--lengths", "256"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, check=True, timeout=600)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| 256 ")]
+    assert [r[2].strip() for r in rows] == ["create_block_mask", "slabs"]
+    assert all(float(r[3]) >= 0 and float(r[4]) > 0 for r in rows)

@@ -13,22 +13,30 @@ from eval.extend_prompts import extend_prompts  # noqa: E402
 from speculators_peagle_plugin.data.prompts import load_prompt_set  # noqa: E402
 from speculators_peagle_plugin.demo.artifacts import write_prompts  # noqa: E402
 
+HELD_OUT = ("humaneval[120:164]",)
 
-def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, capsys):
+
+def long_run(tmp_path: Path, spec: str, validation: dict) -> Path:
+    """A run directory as the long recipe leaves it: ``spec``'s training prompts, the one
+    validation conversation ``validation`` and the stages record extend_prompts reads."""
     run = tmp_path / "long"
     run.mkdir()
-    held_out = ("humaneval[120:164]",)
-    write_prompts(("chat[0:4]",), held_out, run / "train_prompts.jsonl")
-    chat = load_prompt_set("chat[0:8]").conversations
-    (run / "validation_prompts.jsonl").write_text(json.dumps({"messages": chat[6]}) + "\n")
+    write_prompts((spec,), HELD_OUT, run / "train_prompts.jsonl")
+    (run / "validation_prompts.jsonl").write_text(json.dumps({"messages": validation}) + "\n")
     sha = hashlib.sha256((run / "train_prompts.jsonl").read_bytes()).hexdigest()
     replies = {"prompts": sha, "dtype": "float32", "max_new_tokens": 8, "num_samples": 1,
                "temperature": 0.7, "backend": "vllm"}
     (run / "stages.json").write_text(json.dumps({
         "target": {"outputs": {"path": str(tmp_path / "target")}},
-        "prompts": {"inputs": {"specs": ["chat[0:4]"], "eval": list(held_out)}},
+        "prompts": {"inputs": {"specs": [spec], "eval": list(HELD_OUT)}},
         "data": {"inputs": replies}, "validation data": {"inputs": {}},
     }))
+    return run
+
+
+def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, capsys):
+    chat = load_prompt_set("chat[0:8]").conversations
+    run = long_run(tmp_path, "chat[0:4]", chat[6])
     out = tmp_path / "ext" / "train_prompts.jsonl"
     assert extend_prompts(run, "chat[0:8]", out) == 3
     rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
@@ -52,19 +60,8 @@ def test_the_prompts_after_the_runs_own_less_its_validation_prompts(tmp_path, ca
 
 
 def test_a_second_extension_continues_the_first(tmp_path, capsys):
-    run = tmp_path / "long"
-    run.mkdir()
-    write_prompts(("chat[0:3]",), ("humaneval[120:164]",), run / "train_prompts.jsonl")
     chat = load_prompt_set("chat[0:9]").conversations
-    (run / "validation_prompts.jsonl").write_text(json.dumps({"messages": chat[4]}) + "\n")
-    sha = hashlib.sha256((run / "train_prompts.jsonl").read_bytes()).hexdigest()
-    replies = {"prompts": sha, "dtype": "float32", "max_new_tokens": 8, "num_samples": 1,
-               "temperature": 0.7, "backend": "vllm"}
-    (run / "stages.json").write_text(json.dumps({
-        "target": {"outputs": {"path": str(tmp_path / "target")}},
-        "prompts": {"inputs": {"specs": ["chat[0:3]"], "eval": ["humaneval[120:164]"]}},
-        "data": {"inputs": replies}, "validation data": {"inputs": {}},
-    }))
+    run = long_run(tmp_path, "chat[0:3]", chat[4])
     first, second = tmp_path / "ext" / "p.jsonl", tmp_path / "ext2" / "p.jsonl"
     assert extend_prompts(run, "chat[0:6]", first) == 2  # 3 and 5 (4 is validation)
     assert extend_prompts(run, "chat[0:9]", second, after=(first,)) == 3
@@ -77,3 +74,10 @@ def test_a_second_extension_continues_the_first(tmp_path, capsys):
         f"--prompts 'chat[0:3]+chat[5:9]' does not continue with the 2 prompts of {first}; "
         "give a spec that extends theirs."
     )
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(SystemExit) as err:
+        extend_prompts(run, "chat[0:9]", second, after=(first, missing))
+    assert str(err.value) == (
+        f"--after {missing} is not a file; give the prompts files of earlier extensions."
+    )
+    assert len(second.read_text().splitlines()) == 3  # the file written before is untouched

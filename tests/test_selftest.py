@@ -244,6 +244,27 @@ def test_speculators_side_whose_default_loss_fails_is_measured_with_its_eager_lo
     assert eager.note is None
 
 
+def test_a_sides_note_names_only_the_compile_failures_of_its_own_steps(monkeypatch):
+    """Failures the checks recorded before (another dtype, the narrow draft) are not the
+    speed row's: its note names only those its steps added."""
+    from speculators_peagle_plugin.kernels import flex
+    from speculators_peagle_plugin.selftest import perf
+
+    def fake_ours(shape, device, autocast):
+        def step(batch, index):
+            flex.compile_failures[("bfloat16", 32, 8, 128, 128)] = "NoValidChoicesError: x"
+            return 1.0
+        return step
+
+    monkeypatch.setattr(flex, "compile_failures", {("float32", 8, 2, 128, 128): "earlier"})
+    monkeypatch.setattr(perf, "_ours", fake_ours)
+    spec = {"side": "ours", "shape": "tiny", "device": "cpu", "seq_lens": [64], "warmup": 0,
+            "steps": 1, "search_s": 0}
+    note = perf.measure_side(spec)["note"]
+    assert note == ("did not compile (bfloat16, 32/8 heads of 128: NoValidChoicesError: x); "
+                    "the exact fallback ran")
+
+
 @pytest.mark.slow
 def test_without_quick_the_torchrun_checks_pass_on_two_cpu_ranks():
     """DDP and FSDP, two CPU ranks each: gradients and loss match one process on the same rows
