@@ -65,7 +65,7 @@ def main() -> None:
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
             r = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"| {length} | {r['elements']} | {build} | {r['peak_growth_gib']:.2f} | "
-                  f"{r['seconds']:.1f} |")
+                  f"{r['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -125,4 +125,6 @@ def test_the_memory_benchmark_runs_shortened():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| 256 ")]
     assert [r[2].strip() for r in rows] == ["create_block_mask", "slabs"]
-    assert all(float(r[3]) >= 0 and float(r[4]) > 0 for r in rows)
+    assert rows[0][1] == rows[1][1] and int(rows[0][1]) > 256  # the same COD row, >1 depth
+    # a 256-token build may take under the table's resolution: a figure, never negative
+    assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows)
