@@ -70,7 +70,7 @@ def more_data_inputs(run_dir: Path, inputs: dict, dirs: Sequence[str]) -> list[d
     training nor its validation prompts (a larger cell reads the run's rows, then theirs)."""
     from speculators_peagle_plugin.data.layout import SETTINGS_FILE
     from speculators_peagle_plugin.data.prompts import read_training_prompts
-    from speculators_peagle_plugin.datagen.build_data import _IDENTITY_KEYS
+    from speculators_peagle_plugin.datagen.build_data import IDENTITY_KEYS
 
     def settings(data: Path) -> dict:
         path = data / SETTINGS_FILE
@@ -90,7 +90,7 @@ def more_data_inputs(run_dir: Path, inputs: dict, dirs: Sequence[str]) -> list[d
     for name in dirs:
         data = Path(name).resolve()
         mine = settings(data)
-        for key in (k for k in _IDENTITY_KEYS if k != "prompts"):
+        for key in (k for k in IDENTITY_KEYS if k != "prompts"):
             if mine.get(key) != run.get(key):
                 raise SystemExit(
                     f"--more-data {name} was made with {key} {mine.get(key)!r}, the run's data "

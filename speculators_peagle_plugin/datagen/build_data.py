@@ -33,7 +33,7 @@ from .generation import Target, generate_responses
 logger = logging.getLogger(__name__)
 
 # generate-data refuses to resume into a directory made with other values of these.
-_IDENTITY_KEYS = (
+IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
     "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
     "contamination_guard",
@@ -77,7 +77,7 @@ def _check_output(output: Path, settings: dict) -> bool:
     settings_path = output / SETTINGS_FILE
     if settings_path.exists():
         old = read_json(settings_path)
-        for key in _IDENTITY_KEYS:
+        for key in IDENTITY_KEYS:
             before = old.get(key, _BEFORE_KEY.get(key))
             if before != settings[key]:
                 raise ValueError(

@@ -221,6 +221,10 @@ def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
         prompts: ``{prompt set: [prompt token ids]}``, rendered as the target's chat template
             renders them.
         sweep: the concurrencies, new tokens and prompts per slot (its K are the servers').
+
+    Unlike the engines' cells (:mod:`.cells`), a server's cells are not kept for a rerun:
+    eval cannot hash the draft a server runs, so a restarted server with another draft at
+    the same URL would be paired with the old one's figures; a rerun measures them again.
     """
     from tqdm import tqdm
 
