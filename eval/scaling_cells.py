@@ -224,7 +224,8 @@ def checkpoint_plan(steps: Sequence[int], steps_per_epoch: int) -> dict:
     divisor g, so a checkpoint every g steps of a max(steps)-step run lands on each:
     ``checkpoint_freq`` (g + 1/2) / steps_per_epoch keeps the floor at g under any float
     rounding, ``epochs`` ceil(max / steps_per_epoch) lets ``max_steps`` end the run, and
-    ``keep_checkpoints`` max / g keeps them all until it ends.
+    ``keep_checkpoints`` max / g keeps them all until it ends (:func:`train_cell` adds room
+    for the checkpoints of stopped runs).
     Example: steps 500, 1000, 2000, 4000 at 170 steps an epoch -> a checkpoint every 500
     steps (checkpoint_freq 2.944...), 24 epochs, 8 checkpoints kept.
     """
@@ -267,16 +268,24 @@ def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequenc
         )
     cell_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(plan_path, json.dumps(plan, indent=1) + "\n")
+    def step_of(checkpoint: Path) -> int:
+        return int(checkpoint.name[len(CHECKPOINT_PREFIX) :])
+
     last = save / f"{CHECKPOINT_PREFIX}{plan['max_steps']}"
     if last not in checkpoint_dirs(save):
+        # A stopped run saves where it stopped, off the grid, and train's rotation counts
+        # those checkpoints too: room for each earlier one and for one more, or the
+        # rotation would delete the earliest requested steps.
+        stopped = sum(step_of(c) % plan["every"] != 0 for c in checkpoint_dirs(save))
         runner([
             "train", *train_args, "--save-path", str(save),
             "--max-steps", str(plan["max_steps"]), "--epochs", str(plan["epochs"]),
             "--checkpoint-freq", repr(plan["checkpoint_freq"]),
-            "--keep-checkpoints", str(plan["keep_checkpoints"]), "--log-freq", "1",
+            "--keep-checkpoints", str(plan["keep_checkpoints"] + stopped + 1),
+            "--log-freq", "1",
         ])
     for checkpoint in checkpoint_dirs(save):
-        if int(checkpoint.name[len(CHECKPOINT_PREFIX) :]) not in steps:
+        if step_of(checkpoint) not in steps:
             shutil.rmtree(checkpoint)
     return save
 

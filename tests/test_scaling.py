@@ -150,6 +150,36 @@ def test_one_run_keeps_exactly_the_requested_steps_on_one_schedule(run_dir, tmp_
     assert got["tokens_trained"] == sum(r["tokens"] for r in records[:4]) and got["train_s"] > 0
 
 
+def test_a_stopped_and_resumed_run_keeps_every_requested_step(tmp_path):
+    """A run stopped off the checkpoint grid (SIGTERM) saves where it stopped, and train's
+    rotation counts that checkpoint: resumed twice, the run still holds every requested step."""
+    steps = [2, 4, 8]
+    plan = scaling.checkpoint_plan(steps, 100)
+    stops = [5, 7]
+
+    def runner(args):  # training/loop.py's saving and checkpoint.py's rotation, resumed
+        save, keep = Path(FakeCli._opt(args, "--save-path")), int(
+            FakeCli._opt(args, "--keep-checkpoints"))
+        held = sorted(int(p.name.split("-")[1]) for p in save.glob("checkpoint-*"))
+        end = stops.pop(0) if stops else plan["max_steps"]
+        for step in range(held[-1] + 1 if held else 1, end + 1):
+            if step % plan["every"] == 0 or step == end:
+                (save / f"checkpoint-{step}").mkdir(parents=True)
+                (save / f"checkpoint-{step}" / "training_state.pt").write_text(f"{step}")
+                held.append(step)
+                for old in held[:-keep]:
+                    shutil.rmtree(save / f"checkpoint-{old}")
+                held = held[-keep:]
+        if end < plan["max_steps"]:
+            raise SystemExit("train stopped by a signal")
+
+    for _ in range(2):
+        with pytest.raises(SystemExit, match="signal"):
+            scaling.train_cell(tmp_path / "cell", plan, [], steps, runner)
+    save = scaling.train_cell(tmp_path / "cell", plan, [], steps, runner)
+    assert sorted(int(p.name.split("-")[1]) for p in save.glob("checkpoint-*")) == steps
+
+
 class FakeCli:
     """Stands in for ``speculators-peagle train`` and ``eval``: records each command and
     writes what it would (checkpoints by training/loop.py's rule, a metrics log, record.json
