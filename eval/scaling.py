@@ -56,6 +56,7 @@ from pathlib import Path
 from eval.demo_run import run_command
 from eval.scaling_cells import (
     Runner,
+    check_schedule,
     checkpoint_count,
     checkpoint_plan,
     digest,
@@ -267,6 +268,8 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
     vocab = config_for(Path(inputs["data"]), out, 1, 0).draft.draft_vocab_size
     cells = [(n, layers, seed) for n in args.prompts for layers in args.num_layers
              for seed in args.seeds]
+    for n, layers in sorted({(n, layers) for n, layers, _ in cells}):
+        check_schedule(out / "cells", n, layers, max(args.steps))
     for i, (n, layers, seed) in enumerate(cells):
         count = sum(p < n for p in of_row)  # rows come in prompt order
         if count == 0:

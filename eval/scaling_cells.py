@@ -254,6 +254,21 @@ def train_yaml(config: Path, path: Path, native_bf16: bool) -> Path:
     return path
 
 
+def check_schedule(cells_dir: Path, prompts: int, layers: int, last: int) -> None:
+    """Refuse seeds of one prompts x layers cell on different schedules: the report averages
+    a cell's seeds at each step, and S steps of a run that decays to 0 at another last step
+    is another point."""
+    for plan_path in sorted(cells_dir.glob(f"p{prompts}-l{layers}-s*/{PLAN_FILE}")):
+        other = json.loads(plan_path.read_text())["max_steps"]
+        if other != last:
+            raise SystemExit(
+                f"{plan_path.parent.name} was trained for {other} steps and this grid's "
+                f"largest --steps is {last}: seeds of one cell must share their largest step, "
+                "or the report would average different schedules; use the same largest "
+                "step or another --out."
+            )
+
+
 def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequence[int],
                runner: Runner) -> Path:
     """Train the cell (or resume it), then delete the checkpoints no step asked for; returns

@@ -306,7 +306,11 @@ def test_finished_cells_and_points_are_not_redone(run_dir, tmp_path, heldout, ca
     text = capsys.readouterr().out
     assert "| 16 × 1 | 1.210 ± 0.000 (3) | 1.410 ± 0.000 (3) |" in text
     with pytest.raises(SystemExit, match="was trained with other settings"):
-        scaling.run_grid(grid_args(run_dir, out, "--steps", "2,6"), cli)
+        scaling.run_grid(grid_args(run_dir, out, "--steps", "1,4"), cli)
+    # another seed on another schedule would be averaged with these: refused before any work
+    with pytest.raises(SystemExit, match=r"p5-l1-s0 was trained for 4 steps .* largest --steps is 6"):
+        scaling.run_grid(grid_args(run_dir, out, "--steps", "2,6", "--seeds", "7"),
+                         lambda a: pytest.fail(f"ran {a}"))
 
 
 def test_record_plot_and_tables_from_points(tmp_path):
