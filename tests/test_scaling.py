@@ -3,7 +3,6 @@ and its one-sentence refusals, on the tiny work directory (no vLLM: commands are
 
 import hashlib
 import json
-import math
 import shutil
 import sys
 from collections import Counter
@@ -14,6 +13,8 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers.scaling import checkpoints_of_loop  # noqa: E402
+
 from eval import scaling  # noqa: E402
 
 TINY_YAML = {
@@ -99,30 +100,6 @@ def test_a_prefix_is_the_first_rows_with_linked_states_and_its_own_vocabulary(ru
     assert (out / "prefix.json").stat().st_mtime_ns == marker
 
 
-def checkpoints_of_loop(plan):
-    """training/loop.py's rule: every floor(checkpoint_freq * steps_per_epoch) steps and at
-    the last of min(epochs * steps_per_epoch, max_steps); the newest keep_checkpoints kept."""
-    total = min(plan["epochs"] * plan["steps_per_epoch"], plan["max_steps"])
-    every = max(1, math.floor(plan["checkpoint_freq"] * plan["steps_per_epoch"]))
-    saved = [s for s in range(1, total + 1) if s % every == 0 or s == total]
-    return total, saved[-plan["keep_checkpoints"] :]
-
-
-@pytest.mark.parametrize("steps", [[500, 1000, 2000, 4000], [300, 1000], [7], [3, 5, 15], [1]])
-def test_the_plan_puts_a_checkpoint_on_every_requested_step(steps):
-    for per_epoch in [*range(1, 300), 997, 4000, 4001, 12345]:
-        plan = scaling.checkpoint_plan(steps, per_epoch)
-        total, kept = checkpoints_of_loop(plan)
-        assert total == max(steps) and set(steps) <= set(kept)
-        assert len(kept) == scaling.checkpoint_count(steps)
-
-
-def test_the_checkpoint_count_is_capped():
-    with pytest.raises(SystemExit, match="checkpoint every 1 steps .* 1000 in one run"):
-        scaling.parse_args(["--steps", "333,1000"])
-    assert scaling.parse_args(["--steps", "500,1000,2000,4000"]).steps == [500, 1000, 2000, 4000]
-
-
 def test_one_run_keeps_exactly_the_requested_steps_on_one_schedule(run_dir, tmp_path):
     """A real tiny training run with the plan's flags: checkpoints at 4 and 12 only, the
     learning rate decayed to 0 at 12 (one schedule), tokens and seconds from its log."""
@@ -148,36 +125,6 @@ def test_one_run_keeps_exactly_the_requested_steps_on_one_schedule(run_dir, tmp_
     assert [r["step"] for r in records] == list(range(1, 13)) and records[-1]["lr"] == 0.0
     got = scaling.trained_until(save, 4)
     assert got["tokens_trained"] == sum(r["tokens"] for r in records[:4]) and got["train_s"] > 0
-
-
-def test_a_stopped_and_resumed_run_keeps_every_requested_step(tmp_path):
-    """A run stopped off the checkpoint grid (SIGTERM) saves where it stopped, and train's
-    rotation counts that checkpoint: resumed twice, the run still holds every requested step."""
-    steps = [2, 4, 8]
-    plan = scaling.checkpoint_plan(steps, 100)
-    stops = [5, 7]
-
-    def runner(args):  # training/loop.py's saving and checkpoint.py's rotation, resumed
-        save, keep = Path(FakeCli._opt(args, "--save-path")), int(
-            FakeCli._opt(args, "--keep-checkpoints"))
-        held = sorted(int(p.name.split("-")[1]) for p in save.glob("checkpoint-*"))
-        end = stops.pop(0) if stops else plan["max_steps"]
-        for step in range(held[-1] + 1 if held else 1, end + 1):
-            if step % plan["every"] == 0 or step == end:
-                (save / f"checkpoint-{step}").mkdir(parents=True)
-                (save / f"checkpoint-{step}" / "training_state.pt").write_text(f"{step}")
-                held.append(step)
-                for old in held[:-keep]:
-                    shutil.rmtree(save / f"checkpoint-{old}")
-                held = held[-keep:]
-        if end < plan["max_steps"]:
-            raise SystemExit("train stopped by a signal")
-
-    for _ in range(2):
-        with pytest.raises(SystemExit, match="signal"):
-            scaling.train_cell(tmp_path / "cell", plan, [], steps, runner)
-    save = scaling.train_cell(tmp_path / "cell", plan, [], steps, runner)
-    assert sorted(int(p.name.split("-")[1]) for p in save.glob("checkpoint-*")) == steps
 
 
 class FakeCli:
@@ -308,7 +255,7 @@ def test_finished_cells_and_points_are_not_redone(run_dir, tmp_path, heldout, ca
     with pytest.raises(SystemExit, match="was trained with other settings"):
         scaling.run_grid(grid_args(run_dir, out, "--steps", "1,4"), cli)
     # another seed on another schedule would be averaged with these: refused before any work
-    with pytest.raises(SystemExit, match=r"p5-l1-s0 was trained for 4 steps .* largest --steps is 6"):
+    with pytest.raises(SystemExit, match=r"p5-l1-s0 was trained for 4 steps .* --steps is 6:"):
         scaling.run_grid(grid_args(run_dir, out, "--steps", "2,6", "--seeds", "7"),
                          lambda a: pytest.fail(f"ran {a}"))
 
