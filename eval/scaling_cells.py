@@ -283,6 +283,7 @@ def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequenc
         )
     cell_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(plan_path, json.dumps(plan, indent=1) + "\n")
+
     def step_of(checkpoint: Path) -> int:
         return int(checkpoint.name[len(CHECKPOINT_PREFIX) :])
 
