@@ -1,5 +1,6 @@
 """eval/scaling.py: prefix data, one real run on the checkpoint plan, resuming, the record,
-plot and tables, and its one-sentence refusals, on the tiny work directory (no vLLM: commands are faked)."""
+plot and tables, and its one-sentence refusals, on the tiny work directory (no vLLM:
+commands are faked)."""
 
 import hashlib
 import json
