@@ -56,6 +56,7 @@ from pathlib import Path
 from eval.demo_run import run_command
 from eval.scaling_cells import (
     Runner,
+    cell_name,
     check_schedule,
     checkpoint_count,
     checkpoint_plan,
@@ -275,7 +276,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
         if count == 0:
             raise SystemExit(f"the first {n} prompts of {inputs['prompts']} have no data row.")
         data = out / "data" / f"prompts-{n}"
-        name = f"p{n}-l{layers}-s{seed}"
+        name = cell_name(n, layers, seed)
         echo(f"[{i + 1}/{len(cells)}] {name}: data {data} ({count} rows)")
         prefix_data([Path(s["data"]) for s in sources], count, data, vocab)
         config = config_for(data, out / "cells" / name / "train", layers, seed)

@@ -254,11 +254,17 @@ def train_yaml(config: Path, path: Path, native_bf16: bool) -> Path:
     return path
 
 
+def cell_name(prompts: int | str, layers: int | str, seed: int | str) -> str:
+    """A cell's folder name under ``<out>/cells``: ``cell_name(8745, 2, 43)`` -> ``p8745-l2-s43``
+    (``"*"`` for any part makes a glob)."""
+    return f"p{prompts}-l{layers}-s{seed}"
+
+
 def check_schedule(cells_dir: Path, prompts: int, layers: int, last: int) -> None:
     """Refuse seeds of one prompts x layers cell on different schedules: the report averages
     a cell's seeds at each step, and S steps of a run that decays to 0 at another last step
     is another point."""
-    for plan_path in sorted(cells_dir.glob(f"p{prompts}-l{layers}-s*/{PLAN_FILE}")):
+    for plan_path in sorted(cells_dir.glob(f"{cell_name(prompts, layers, '*')}/{PLAN_FILE}")):
         other = json.loads(plan_path.read_text())["max_steps"]
         if other != last:
             raise SystemExit(
