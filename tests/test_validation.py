@@ -2,7 +2,9 @@
 and a resumed run that continues with the same best and patience."""
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 from helpers.training import config_for, run_cli, train_args
@@ -95,6 +97,40 @@ def test_a_resumed_run_continues_with_the_same_best_and_patience(workdir, tmp_pa
     assert code == 0, out
     assert [r["acceptance_length"] for r in records(save)] == [1.2, 1.4, 1.3, 1.25]
     assert len(scripted_again) == 1 and records(save)[-1]["step"] == 4 * per_checkpoint
+
+
+def test_a_run_stopped_off_the_checkpoint_grid_scores_what_an_uninterrupted_run_scores(
+    workdir, tmp_path, monkeypatch
+):
+    """SIGTERM between two checkpoints of the grid saves where the run stopped; the resumed
+    run leaves that checkpoint unscored, so its records (its best, its patience count) are
+    the uninterrupted run's, figure for figure (training resumes exactly)."""
+    from speculators_peagle_plugin.training import loop
+
+    common = ("--epochs", "2", "--checkpoint-freq", "0.5", "--keep-checkpoints", "10",
+              "--validation-data-path", str(workdir / "data"), "--early-stop-patience", "3")
+    code, out = run_cli(train_args(workdir, tmp_path / "straight", *common))
+    assert code == 0, out
+    straight = records(tmp_path / "straight")
+    per_checkpoint = straight[0]["step"]
+    assert per_checkpoint >= 3 and len(straight) == 4  # room for a step off the grid
+
+    def record_then_sigterm(path, record, append=loop.append_record):
+        append(path, record)
+        if "cut" in str(path) and record["step"] == per_checkpoint + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "append_record", record_then_sigterm)
+    cut = tmp_path / "cut"
+    code, out = run_cli(train_args(workdir, cut, *common))
+    assert code == 128 + signal.SIGTERM, out
+    stopped_at = int(checkpoint_dirs(cut)[-1].name.split("-")[1])
+    assert stopped_at % per_checkpoint != 0, stopped_at
+    code, out = run_cli(train_args(workdir, cut, *common))
+    assert code == 0, out
+    resumed = records(cut)
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight]
+    assert [r["acceptance_length"] for r in resumed] == [r["acceptance_length"] for r in straight]
 
 
 def test_early_stop_needs_validation_data(workdir, tmp_path):

@@ -10,7 +10,8 @@ serves), so pruning older checkpoints never loses it. With ``early_stop_patience
 training stops once ``p`` checkpoints in a row have not beaten the best.
 
 A resumed run reads the records up to its checkpoint (later ones, written by a run killed
-after them, are dropped) and so continues with the same best and the same patience count.
+after them, are dropped) and so continues with the same best and the same patience count;
+the checkpoint a signal saves between two of the grid is never scored.
 """
 
 from __future__ import annotations
