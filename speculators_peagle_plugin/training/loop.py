@@ -308,12 +308,9 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
     validation = _validation(config, save_path, start, setup)
     if validation is not None:
-        # Killed while scoring a checkpoint of the grid: score it now. A signal's checkpoint
-        # off the grid stays unscored, so an interrupted run scores, keeps and stops on
-        # exactly the checkpoints the uninterrupted run does.
+        # Killed while scoring a grid checkpoint; a signal's checkpoint off the grid: unscored.
         on_grid = start % every == 0 or start == setup.total_steps
-        if saved is not None and on_grid and not any(r["step"] == start
-                                                     for r in validation.records):
+        if saved is not None and on_grid and all(r["step"] != start for r in validation.records):
             validation.score(saved, start, start / steps_per_epoch)
         if validation.should_stop:  # this run stopped early before
             return validation.best_dir if validation.keeps_best else saved
