@@ -306,14 +306,10 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         trim_metrics_log(metrics_path, start)
     steps_per_epoch = len(setup.batches)
     every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
-    validation = _validation(config, save_path, start, setup)
-    if validation is not None:
-        # Killed while scoring a grid checkpoint; a signal's checkpoint off the grid: unscored.
-        on_grid = start % every == 0 or start == setup.total_steps
-        if saved is not None and on_grid and all(r["step"] != start for r in validation.records):
-            validation.score(saved, start, start / steps_per_epoch)
-        if validation.should_stop:  # this run stopped early before
-            return validation.best_dir if validation.keeps_best else saved
+    validation = Validation.of_run(config, save_path, start, world, setup.heldout_samples)
+    on_grid = start % every == 0 or start == setup.total_steps
+    if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
+        return validation.best_dir if validation.keeps_best else saved  # it stopped early before
     dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
     bar = tqdm(
@@ -366,7 +362,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                     stop_early = validation.score(saved, step + 1, (step + 1) / steps_per_epoch)
                     trackers.log(validation.records[-1], step + 1, prefix="val")
                     if stop_early:
-                        logger.info("stopping early: %s", _stop_reason(validation))
+                        logger.info("stopping early: %s", validation.stop_reason)
                         break
             if stop_now:
                 bar.close()
@@ -377,24 +373,3 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if saved is None:  # resumed from a finished run: nothing left to do
         raise ValueError(f"{save_path} holds no checkpoint to return.")
     return saved
-
-
-def _validation(config: TrainConfig, save_path: Path, start: int, setup) -> Validation | None:
-    """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
-    samples; None without either."""
-    if config.data.validation_data_path:
-        data_path, samples = config.data.validation_data_path, None
-    elif setup.heldout_samples:
-        data_path, samples = config.data.data_path, setup.heldout_samples
-    else:
-        return None
-    return Validation(config, save_path, start, setup.world, data_path, samples)
-
-
-def _stop_reason(validation: Validation) -> str:
-    best = validation.best
-    kept = f", kept in {validation.best_dir}" if validation.keeps_best else ""
-    return (
-        f"{validation.since_best} checkpoints since the best estimated acceptance "
-        f"{best['acceptance_length']:.4f} (step {best['step']}){kept}"
-    )

@@ -75,6 +75,36 @@ class Validation:
             text = "".join(json.dumps(r) + "\n" for r in self.records)
             atomic_write_text(self.path, text)
 
+    @classmethod
+    def of_run(
+        cls,
+        config: TrainConfig,
+        save_path: Path,
+        resumed_step: int,
+        world: World,
+        heldout_samples: tuple[int, ...] | None,
+    ) -> Validation | None:
+        """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
+        samples; None without either."""
+        if config.data.validation_data_path:
+            data_path, samples = config.data.validation_data_path, None
+        elif heldout_samples:
+            data_path, samples = config.data.data_path, heldout_samples
+        else:
+            return None
+        return cls(config, save_path, resumed_step, world, data_path, samples)
+
+    def resume(self, checkpoint: Path | None, step: int, epoch: float, on_grid: bool) -> bool:
+        """Score the checkpoint a run resumes from if a kill left it unscored; returns
+        whether the run had already stopped early.
+
+        Only a checkpoint of the grid is scored (``on_grid``): the one a signal saves
+        between two of them is not, as an uninterrupted run would not have scored it.
+        """
+        if checkpoint is not None and on_grid and all(r["step"] != step for r in self.records):
+            self.score(checkpoint, step, epoch)
+        return self.should_stop
+
     @property
     def best(self) -> dict | None:
         """The record with the highest estimated acceptance (the earliest of equals)."""
@@ -94,6 +124,15 @@ class Validation:
     def should_stop(self) -> bool:
         patience = self.config.trainer.early_stop_patience
         return patience is not None and self.since_best >= patience
+
+    @property
+    def stop_reason(self) -> str:
+        best = self.best
+        kept = f", kept in {self.best_dir}" if self.keeps_best else ""
+        return (
+            f"{self.since_best} checkpoints since the best estimated acceptance "
+            f"{best['acceptance_length']:.4f} (step {best['step']}){kept}"
+        )
 
     def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
         """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
