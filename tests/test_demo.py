@@ -21,35 +21,6 @@ from speculators_peagle_plugin.serving.model_card import CARD_FILE, read_card, w
 # ----------------------------------------------------------------- pipeline.py stages
 
 
-def test_stages_skip_finished_work_and_refuse_other_settings(tmp_path):
-    calls = []
-
-    def work(tag):
-        def run():
-            calls.append(tag)
-            return {"file": str(tmp_path / f"{tag}.txt")}
-
-        return run
-
-    exists = lambda out: True  # noqa: E731
-    stages = demo.Stages(tmp_path, echo=lambda s: None)
-    assert stages.run("a", {"x": 1}, work("a1"), exists)["file"].endswith("a1.txt")
-    again = demo.Stages(tmp_path, echo=lambda s: None)  # a new invocation reads stages.json
-    assert again.run("a", {"x": 1}, work("a2"), exists)["file"].endswith("a1.txt")
-    assert calls == ["a1"] and again.ran == {}
-    with pytest.raises(ValueError, match=r"'a' stage made with other settings \(x\)"):
-        again.run("a", {"x": 2}, work("a3"), exists)
-    again.run("a", {"x": 1}, work("a4"), lambda out: False)  # outputs gone: redo
-    assert calls == ["a1", "a4"]
-
-    def broken():
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError):
-        again.run("b", {}, broken, exists)
-    assert "b" not in json.loads((tmp_path / demo.STATE_FILE).read_text())
-
-
 def test_training_prompts_are_the_demos_and_held_out_sets_are_disjoint(tmp_path):
     from speculators_peagle_plugin.data.prompts import load_prompt_set, load_prompts
 

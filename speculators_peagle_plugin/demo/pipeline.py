@@ -20,10 +20,11 @@ Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finishe
 
 The CLI stages run as the same ``speculators-peagle`` commands a user types (each printed
 first), in child processes, so a stage's memory is returned when it ends. An interrupted
-stage resumes where it stopped (generate-data per batch, train from its newest checkpoint).
-A stage whose settings changed since it ran is refused rather than silently mixed with the
-old results. ``--quick`` shortens every stage for CI (a few prompts, 2 optimizer steps);
-``--recipe FILE.yaml`` sets any :class:`DemoConfig` field (``configs/recipes/long_smollm2.yaml``).
+stage resumes where it stopped (generate-data per batch, train from its newest checkpoint),
+and its recorded time counts every attempt. A stage whose settings changed since it ran is
+refused rather than silently mixed with the old results. ``--quick`` shortens every stage
+for CI (a few prompts, 2 optimizer steps); ``--recipe FILE.yaml`` sets any
+:class:`DemoConfig` field (``configs/recipes/long_smollm2.yaml``).
 """
 
 from __future__ import annotations
