@@ -43,7 +43,7 @@ def test_a_resumed_stage_records_the_time_of_every_attempt(tmp_path):
     seen = []  # the time spent so far, as the ticker (every 0.05 s) wrote it mid-attempt
 
     def interrupted():
-        time.sleep(0.3)
+        time.sleep(0.5)
         seen.append(json.loads(spent.read_text())["train"]["seconds"])
         raise KeyboardInterrupt
 
@@ -57,9 +57,9 @@ def test_a_resumed_stage_records_the_time_of_every_attempt(tmp_path):
     for n in (1, 2):  # two interrupted attempts, each adding on
         with pytest.raises(KeyboardInterrupt):
             attempt("train", {"x": 1}, interrupted, tick_s=0.05)
-        assert 0.05 + 0.3 * (n - 1) <= seen[-1] <= 0.3 * n + 0.2
+        assert 0.05 + 0.5 * (n - 1) <= seen[-1] <= 0.5 * n + 0.3  # counted once each
     second = json.loads(spent.read_text())["train"]["seconds"]
-    assert second >= 0.6
+    assert second >= 1.0
 
     attempt("train", {"x": 1}, finishing)
     record = json.loads((tmp_path / STATE_FILE).read_text())
