@@ -15,7 +15,7 @@ __all__ = ["SPENT_FILE", "STATE_FILE", "Stages"]
 STATE_FILE = "stages.json"
 # Seconds spent so far by stages not yet finished, per stage with its inputs: a resumed stage's
 # recorded time is that of every attempt, not only the last. Written every ``tick_s`` while a
-# stage runs (a process killed outright loses at most that much) and when it stops.
+# stage runs (a process killed outright loses at most that much) and when it stops unfinished.
 SPENT_FILE = "stages-unfinished.json"
 
 
