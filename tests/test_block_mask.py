@@ -1,115 +1,115 @@
-"""The flex BlockMask of the P-EAGLE mask, built without its dense [n, n] form.
+"""The flex BlockMask of the P-EAGLE mask, read off the COD layout.
 
-Oracle: torch's own ``create_block_mask`` over the whole mask at once (dense, fine at the
-few thousand elements of these rows), on ragged packed rows over several seeds.
+Oracle: torch's own ``create_block_mask``, which evaluates the mask rule on every
+(query, key) pair, on ragged packed rows (several documents, padding, windows, every
+depth, rows that lose context elements as a partition's do, lengths that are not
+multiples of the block) over several seeds and block sizes.
 """
 
 from __future__ import annotations
 
-import logging
+import itertools
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from speculators_peagle_plugin.kernels import flex
+from speculators_peagle_plugin.core.peagle_attention import (
+    dense_peagle_mask,
+    lengths_from_document_ids,
+)
 from speculators_peagle_plugin.kernels.attention import PEagleMask
+from speculators_peagle_plugin.kernels.cod_block_mask import cod_block_mask
 from speculators_peagle_plugin.selftest.rows import random_cod_elements
 
+LISTS = (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices"))
 
-def _mask_mod(seed: int, window, length: int = 300):
-    anchor, depth, doc = random_cod_elements(seed, length=length, num_depths=8)
-    return PEagleMask(anchor, depth, doc, window, "flex").mask_mod, anchor.numel()
+
+def block_lists(mask, num: str, idx: str) -> list[list[int]]:
+    """Each row's block list (entries past a row's count are never read)."""
+    counts = getattr(mask, num).flatten().tolist()
+    rows = getattr(mask, idx).flatten(0, -2)
+    return [rows[r, :c].tolist() for r, c in enumerate(counts)]
 
 
 def assert_same_block_mask(got, want):
-    """Same blocks, same full blocks, same transposed (backward) lists, same dense mask."""
+    """Same partial and full blocks, forward and transposed (the backward's lists)."""
     assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
-    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
-        counts = getattr(want, num).flatten().tolist()
-        rows_got = getattr(got, idx).flatten(0, -2)
-        rows_want = getattr(want, idx).flatten(0, -2)
-        for row, count in enumerate(counts):  # entries past a row's count are unused
-            assert torch.equal(rows_got[row, :count], rows_want[row, :count]), (idx, row)
-    assert torch.equal(got.to_dense(), want.to_dense())
+    for num, idx in LISTS:
+        assert getattr(got, num).shape == getattr(want, num).shape, num
+        assert block_lists(got, num, idx) == block_lists(want, num, idx), idx
 
 
-@pytest.mark.parametrize("seed,window", [(0, None), (1, 5), (2, None), (3, 17)])
-def test_slabs_build_the_same_block_mask_as_create_block_mask(monkeypatch, seed, window):
-    mask_mod, n = _mask_mod(seed, window)
-    shapes = []
-    real = flex.create_block_mask
-
-    def recording(mod, b, h, q_len, kv_len, **kwargs):
-        shapes.append((q_len, kv_len))
-        return real(mod, b, h, q_len, kv_len, **kwargs)
-
-    monkeypatch.setattr(flex, "SLAB_ELEMENTS", 3 * 128 * n)  # 3 query blocks a slab
-    monkeypatch.setattr(flex, "create_block_mask", recording)
-    got = flex.peagle_block_mask(mask_mod, n, torch.device("cpu"))
-    want = create_block_mask(mask_mod, None, None, n, n, device="cpu")
-    assert_same_block_mask(got, want)
-    # never more than a slab of the mask at once; the last slab is ragged
-    assert [q for q, _ in shapes] == [384] * (n // 384) + [n % 384] and n % 384 % 128
-    assert {kv for _, kv in shapes} == {n}
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h in (4, 2, 2))
-    assert torch.equal(flex_attention(q, k, v, block_mask=got, enable_gqa=True),
-                       flex_attention(q, k, v, block_mask=want, enable_gqa=True))
+def _elements(seed, length, window, drop, depths=6):
+    anchor, depth, doc = random_cod_elements(seed, length=length, num_depths=depths,
+                                             drop_context=drop)
+    return anchor, depth, doc, PEagleMask(anchor, depth, doc, window, "flex").mask_mod
 
 
-def test_a_mask_within_one_slab_is_one_create_block_mask_call():
-    mask_mod, n = _mask_mod(4, None, length=40)
-    assert n * 128 <= flex.SLAB_ELEMENTS
-    assert_same_block_mask(flex.block_mask_by_slabs(mask_mod, n, "cpu"),
-                           create_block_mask(mask_mod, None, None, n, n, device="cpu"))
+CASES = list(itertools.product((0, 1, 2), (37, 300), (None, 1, 3, 17), (False, True), (16, 128)))
 
 
-def test_a_failed_block_mask_compile_is_logged_once_and_built_by_slabs(monkeypatch, caplog):
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("inductor says no\n  more lines")
-
-    monkeypatch.setattr(flex, "_block_mask_compile_supported", lambda device: True)
-    monkeypatch.setattr(flex, "_peagle_block_mask_compiled", broken)
-    monkeypatch.setattr(flex, "compile_failures", {})
-    mask_mod, n = _mask_mod(5, 5)
-    with caplog.at_level(logging.WARNING):
-        first = flex.peagle_block_mask(mask_mod, n, torch.device("cpu"))
-        second = flex.peagle_block_mask(mask_mod, n, torch.device("cpu"))
-    assert calls == [1]  # never compiled again
-    assert flex.compile_failures == {flex.BLOCK_MASK: "RuntimeError: inductor says no"}
-    warnings = [r.getMessage() for r in caplog.records if "compile failed" in r.getMessage()]
-    assert warnings == ["create_block_mask compile failed for the block mask (RuntimeError: "
-                        "inductor says no); it is built eagerly, a slab of query rows at a "
-                        "time instead."]
-    want = create_block_mask(mask_mod, None, None, n, n, device="cpu")
-    assert_same_block_mask(first, want)
-    assert_same_block_mask(second, want)
-    assert "the block mask: RuntimeError" in flex.failures_since({})
+@pytest.mark.parametrize("seed,length,window,drop,block", CASES)
+def test_the_layout_gives_create_block_masks_blocks(seed, length, window, drop, block):
+    anchor, depth, doc, mask_mod = _elements(seed, length, window, drop)
+    n = anchor.numel()
+    want = create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=block)
+    for full_width in (True, False):
+        got = cod_block_mask(anchor, depth, doc, window, mask_mod=mask_mod, block=block,
+                             full_width=full_width)
+        assert_same_block_mask(got, want)
+        width = got.kv_indices.shape[-1]
+        assert width == want.kv_indices.shape[-1] if full_width else width <= -(-n // block)
 
 
-def test_the_block_mask_is_compiled_on_cuda_only():
-    assert flex._block_mask_compile_supported(torch.device("cuda"))
-    assert not flex._block_mask_compile_supported("cpu")
+def test_every_depth_and_a_single_element_last_block():
+    """K = 8, a row whose element count is one past a multiple of the block: the last
+    query block is one element, its own rollout's last key (a full 1 x 1 block in the
+    dense mask, but create_block_mask pads ragged blocks, so never full)."""
+    for seed in range(40):
+        anchor, depth, doc, mask_mod = _elements(seed, 61, None, False, depths=8)
+        if anchor.numel() % 16 == 1:
+            break
+    n = anchor.numel()
+    assert n % 16 == 1 and int(depth.max()) == 7
+    want = create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=16)
+    assert_same_block_mask(cod_block_mask(anchor, depth, doc, mask_mod=mask_mod, block=16), want)
 
 
-@pytest.mark.slow
-def test_the_compiled_block_mask_equals_create_block_mask(monkeypatch):
-    """The CUDA path's compiled create_block_mask, here compiled by Inductor for the CPU:
-    over new rows (dynamic shapes) and both window settings, the same block masks."""
-    monkeypatch.setattr(flex, "_block_mask_compile_supported", lambda device: True)
-    monkeypatch.setattr(flex, "compile_failures", {})
-    for seed, window in ((6, None), (7, None), (8, 5)):
-        mask_mod, n = _mask_mod(seed, window)
-        got = flex.peagle_block_mask(mask_mod, n, torch.device("cpu"))
-        assert_same_block_mask(got, create_block_mask(mask_mod, None, None, n, n, device="cpu"))
-    assert flex.compile_failures == {}
+def test_flex_attention_under_the_layout_mask_is_the_dense_masked_attention():
+    anchor, depth, doc, mask_mod = _elements(3, 300, 17, False)
+    n = anchor.numel()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    dense = dense_peagle_mask(anchor, depth, lengths_from_document_ids(doc), doc.numel(),
+                              sliding_window=17)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense)
+    got = flex_attention(q, k, v, block_mask=cod_block_mask(anchor, depth, doc, 17,
+                                                            mask_mod=mask_mod), enable_gqa=True)
+    seen = dense.any(-1)  # a padding query sees nothing: its output is undefined either way
+    torch.testing.assert_close(got[:, :, seen], want[:, :, seen])
+
+
+def test_elements_out_of_order_or_too_many_depths_are_refused():
+    anchor, depth, doc, _ = _elements(0, 37, None, False)
+    with pytest.raises(ValueError, match="depth-major"):
+        cod_block_mask(anchor.flip(0), depth.flip(0), doc)
+    with pytest.raises(ValueError, match="fewer than 16 depths"):
+        cod_block_mask(torch.arange(16), torch.arange(16), torch.zeros(32, dtype=torch.long),
+                       block=16)
+
+
+def test_the_build_grows_with_the_row_not_its_square():
+    """Index lists no wider than the longest list: a windowed row of 16x the tokens holds
+    about 16x the entries (the squared growth would be 256x)."""
+    sizes = []
+    for length in (512, 8192):
+        anchor, depth, doc = random_cod_elements(0, length=length, num_depths=8)
+        mask = cod_block_mask(anchor, depth, doc, 64, full_width=False)
+        sizes.append(sum(getattr(mask, idx).numel() for _, idx in LISTS))
+    assert 8 < sizes[1] / sizes[0] < 32
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_the_memory_benchmark_runs_shortened():
                           text=True, check=True, timeout=600)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| 256 ")]
-    assert [r[2].strip() for r in rows] == ["create_block_mask", "slabs"]
-    assert rows[0][1] == rows[1][1] and int(rows[0][1]) > 256  # the same COD row, >1 depth
-    # a 256-token build may take under the table's resolution: a figure, never negative
-    assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows)
+    assert [r[2].strip() for r in rows] == ["create_block_mask", "create_block_mask compiled",
+                                           "COD layout (ours)"]
+    assert len({r[1] for r in rows}) == 1 and int(rows[0][1]) > 256  # one COD row, >1 depth
+    assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows if r[3].strip() != "-")

@@ -4,7 +4,7 @@ Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the fl
 sequence, ``L`` tokens of the row, ``nh`` / ``nkv`` query / key-value heads, ``hd`` head dim.
 
 :class:`PEagleMask` holds one sequence's mask in the form each path needs (a flex
-``BlockMask`` from :mod:`.flex`, or the query chunks of :mod:`.block_sparse`), built on
+``BlockMask`` read off the COD layout by :mod:`.cod_block_mask`, or the query chunks of :mod:`.block_sparse`), built on
 first use; :func:`peagle_attention` picks the path.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from ..core.peagle_attention import create_peagle_mask_mod, lengths_from_document_ids
 from . import flex
+from .cod_block_mask import cod_block_mask
 from .block_sparse import _BlockSparseAttention, _Chunk, _plan_chunks
 from .flex import _peagle_flex_attention
 
@@ -67,9 +68,9 @@ class PEagleMask:
     @property
     def block_mask(self):
         if "block_mask" not in self._cache:
-            n = self.anchor_pos.shape[0]
-            self._cache["block_mask"] = flex.peagle_block_mask(
-                self.mask_mod, n, self.anchor_pos.device
+            self._cache["block_mask"] = cod_block_mask(
+                self.anchor_pos, self.depth, self.document_ids, self.sliding_window,
+                mask_mod=self.mask_mod,
             )
         return self._cache["block_mask"]
 

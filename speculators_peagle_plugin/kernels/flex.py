@@ -1,5 +1,6 @@
-"""flex_attention for the P-EAGLE mask, and its ``BlockMask``, compiled by Inductor where it
-supports the tensors; a compile that fails is logged once and has an exact fallback.
+"""flex_attention for the P-EAGLE mask, compiled by Inductor where it supports the tensors;
+a compile that fails is logged once and has an exact fallback. The ``BlockMask`` it reads
+comes from :mod:`.cod_block_mask`.
 
 Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the flat
 sequence, ``nh`` / ``nkv`` query / key-value heads, ``hd`` head dim.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +24,6 @@ _peagle_flex_attention_compiled = torch.compile(flex_attention)
 # once it has; every later call of that signature is refused.
 compile_failures: dict[tuple, str] = {}
 _peagle_flex_attention_compile_failed = False  # True once any compile has failed
-# Inductor fuses create_block_mask's evaluation of the mask on every (query, key) pair into
-# a reduction per block, as speculators builds its masks inside its compiled forward.
-_peagle_block_mask_compiled = torch.compile(create_block_mask)
-BLOCK_MASK = ("block mask",)  # the compile_failures key of the block-mask build
-# Query rows per slab of the eager block-mask build: each term of the rule is a [rows, N]
-# tensor, kept near this many elements whatever N is.
-SLAB_ELEMENTS = 1 << 25
 
 
 def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -70,56 +64,6 @@ def compiled_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
     return out
 
 
-def peagle_block_mask(mask_mod, n: int, device: torch.device) -> BlockMask:
-    """The flex ``BlockMask`` of ``mask_mod`` over ``n`` queries and ``n`` keys, built
-    without the dense ``[n, n]`` mask.
-
-    ``create_block_mask`` evaluates ``mask_mod`` on every (query, key) pair; eagerly,
-    that is a dense ``[n, n]`` tensor per term of the rule, memory growing with the square
-    of the row (RESULTS 13 has the figures). On CUDA it runs compiled; elsewhere, or
-    where that compile failed (logged once), eagerly over slabs of whole query blocks,
-    whose block lists are concatenated: the same ``BlockMask``.
-
-    Example: ``n = 300``, slabs of 128 query rows -> slabs [0, 128), [128, 256),
-    [256, 300); the mask's 3 query blocks are the slabs' 1 + 1 + 1.
-    """
-    if _block_mask_compile_supported(device) and BLOCK_MASK not in compile_failures:
-        out = _compiled_or_none(
-            BLOCK_MASK, "it is built eagerly, a slab of query rows at a time",
-            _peagle_block_mask_compiled, mask_mod, None, None, n, n, device=device,
-        )
-        if out is not None:
-            return out
-    return block_mask_by_slabs(mask_mod, n, device)
-
-
-def _block_mask_compile_supported(device) -> bool:
-    """Whether the block mask is built compiled: on CUDA, where flex attention reads it."""
-    return torch.device(device).type == "cuda"
-
-
-def block_mask_by_slabs(mask_mod, n: int, device, block: int = 128) -> BlockMask:
-    """``create_block_mask`` of an ``[n, n]`` mask, one slab of query rows at a time."""
-    rows = max(1, SLAB_ELEMENTS // (n * block)) * block
-    if rows >= n:
-        return create_block_mask(mask_mod, None, None, n, n, device=device, BLOCK_SIZE=block)
-    parts = []
-    for start in range(0, n, rows):
-
-        def slab_mod(b, h, q_idx, kv_idx, start=start):
-            return mask_mod(b, h, q_idx + start, kv_idx)
-
-        parts.append(create_block_mask(slab_mod, None, None, min(rows, n - start), n,
-                                       device=device, BLOCK_SIZE=block))
-    return BlockMask.from_kv_blocks(
-        torch.cat([p.kv_num_blocks for p in parts], dim=-1),
-        torch.cat([p.kv_indices for p in parts], dim=-2),
-        torch.cat([p.full_kv_num_blocks for p in parts], dim=-1),
-        torch.cat([p.full_kv_indices for p in parts], dim=-2),
-        BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n),
-    )
-
-
 def _compiled_or_none(key: tuple, instead: str, compiled, *args, **kwargs):
     """``compiled(*args, **kwargs)``, or ``None`` once its compile has failed for ``key``
     (the reason kept in :data:`compile_failures`, one warning line saying what runs instead).
@@ -135,8 +79,7 @@ def _compiled_or_none(key: tuple, instead: str, compiled, *args, **kwargs):
     except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
         lines = str(err).strip().splitlines() or [""]
         compile_failures[key] = f"{type(err).__name__}: {lines[0][:300]}"
-        logger.warning("%s compile failed for %s (%s); %s instead.",
-                       "create_block_mask" if key == BLOCK_MASK else "flex_attention",
+        logger.warning("flex_attention compile failed for %s (%s); %s instead.",
                        describe(key), compile_failures[key], instead)
         return None
 
@@ -154,8 +97,6 @@ def failures_since(before: dict) -> str:
 
 
 def describe(key: tuple) -> str:
-    if key == BLOCK_MASK:
-        return "the block mask"
     dtype, nh, nkv, hd, hdv = key
     dims = f"{hd}" if hd == hdv else f"{hd}/{hdv}"
     return f"{dtype}, {nh}/{nkv} heads of {dims}"
