@@ -61,8 +61,8 @@ def test_the_linked_draft_keeps_its_model_card_naming_itself(tmp_path):
     demo.link_draft(ckpt, tmp_path / "draft")
     front, body = read_card(tmp_path / "draft")
     assert front["peagle"]["speculative_tokens"] == 4 and "7 optimizer steps" in body
-    assert f'"model": "{(tmp_path / "draft").resolve()}"' in body
-    assert f'"model": "{ckpt.resolve()}"' in (ckpt / CARD_FILE).read_text()  # not rewritten
+    assert '"model": "draft"' in body and str(tmp_path) not in body  # no local path
+    assert '"model": "checkpoint-7"' in (ckpt / CARD_FILE).read_text()  # not rewritten
 
 
 def test_a_failing_command_names_its_stage(monkeypatch):

@@ -284,3 +284,61 @@ def test_bad_paths_are_one_sentence_and_exit_1(ckpt, tmp_path, args, sentence):
     assert result.exit_code == 1
     assert sentence in result.output and "Traceback" not in result.output
     assert result.output.count("\n") == 1
+
+
+# ------------------------------------------------------- what a draft carries, where it goes
+
+
+def test_check_names_the_code_a_draft_ships_and_runs_none_of_it(ckpt, target, tmp_path):
+    # speculators' save_pretrained copies config.py in and names it under no Auto class
+    assert json.loads((ckpt / "config.json").read_text())["auto_map"] == {
+        "": "config.PEagleSpeculatorConfig"}
+    assert (ckpt / "config.py").is_file() and "remote-code" not in codes(
+        check_checkpoint(ckpt, target), "warning")
+    ran = tmp_path / "ran"
+    (ckpt / "configuration_x.py").write_text(f"open({str(ran)!r}, 'w')\n")
+    edit_config(ckpt, lambda c: c["auto_map"].update(
+        AutoConfig="configuration_x.XConfig", AutoModel="other/repo--modeling_x.XModel",
+        AutoTokenizer=["tokenization_x.XTokenizer", None]))
+    (found,) = [f for f in check_checkpoint(ckpt, target) if f.code == "remote-code"]
+    assert found.severity == "warning"
+    assert "configuration_x.py, modeling_x.py of other/repo, tokenization_x.py:" in found.message
+    assert ("ships code that neither this package nor vLLM runs without --trust-remote-code"
+            in found.message)
+    result = CliRunner().invoke(main, ["check", str(ckpt), "--target", target])
+    assert result.exit_code == 0 and "warning [remote-code]" in result.output
+    assert not ran.exists()
+
+
+def test_check_warns_for_a_model_card_that_is_not_plain_yaml(ckpt, target, tmp_path):
+    ran = tmp_path / "ran"
+    (ckpt / "README.md").write_text(
+        f"---\nbase_model: !!python/object/apply:os.system ['touch {ran}']\npeagle: {{}}\n---\n"
+        "# a card\n"
+    )
+    (found,) = check_checkpoint(ckpt, target)
+    assert (found.code, found.severity) == ("model-card-yaml", "warning")
+    assert "not plain YAML" in found.message and "python/object" in found.message
+    export_checkpoint(ckpt, tmp_path / "out", target)  # copied as it is, never loaded
+    assert (tmp_path / "out" / "README.md").read_text() == (ckpt / "README.md").read_text()
+    assert not ran.exists()
+
+
+def listing(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_export_into_its_own_source_or_over_it_is_refused(ckpt, target, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(ckpt)
+    before = listing(tmp_path)
+    inside = [ckpt / "copy", link / "copy", ckpt / ".." / "draft" / "copy", ckpt, link]
+    cases = [(str(out), "is the checkpoint") for out in inside] + [
+        (str(tmp_path), "is inside the output")]
+    for out, sentence in cases:
+        result = CliRunner().invoke(main, ["export", str(ckpt), out, "--target", target])
+        assert result.exit_code == 1, out
+        assert sentence in result.output and result.output.count("\n") == 1, result.output
+    result = CliRunner().invoke(main, ["export", str(link), str(ckpt / "copy"), "--target", target])
+    assert result.exit_code == 1 and "is the checkpoint" in result.output
+    assert listing(tmp_path) == before

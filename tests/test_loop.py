@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tiny import tiny_tokenizer
 
 from speculators_peagle_plugin.serving.check import check_checkpoint
-from speculators_peagle_plugin.serving.model_card import read_card
+from speculators_peagle_plugin.serving.model_card import portable_path, read_card
 from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.progress import METRICS_FILE
@@ -53,7 +53,8 @@ def test_train_writes_a_checkpoint_speculators_and_vllm_accept(workdir, tmp_path
     front, body = read_card(final)  # the model card: this config, this data, these steps
     assert front["peagle"]["speculative_tokens"] == 3 and "5 optimizer steps" in body
     settings = json.loads((workdir / "data" / "generation_settings.json").read_text())
-    assert f"`{settings['prompts']}`" in body and f'"model": "{final.resolve()}"' in body
+    assert f"`{portable_path(settings['prompts'])}`" in body  # the card names no local path
+    assert f'"model": "{final.name}"' in body and str(tmp_path.parent) not in body
     assert "model-card" not in {f.code for f in check_checkpoint(final, workdir / "target")}
     records = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]

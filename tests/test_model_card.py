@@ -1,14 +1,20 @@
-"""A draft's model card: written from config.json, checked against it, refreshed by eval."""
+"""A draft's model card: written from config.json, checked against it, refreshed by eval.
+
+A card is shared, so no absolute path of this machine may appear in it
+(:func:`assert_portable`); eval merges its figures into the card's entries, and a smaller
+eval never displaces a larger one of the same prompt set and settings.
+"""
 
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
-import yaml
 from tiny_vllm import tiny_vllm_draft
 
-from speculators_peagle_plugin.evaluation.card import eval_section, update_model_cards
+from speculators_peagle_plugin.evaluation.card import update_model_cards
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
 from speculators_peagle_plugin.serving.check import check_checkpoint
 from speculators_peagle_plugin.serving.export import export_checkpoint
 from speculators_peagle_plugin.serving.model_card import (
@@ -39,18 +45,36 @@ def front_and_config(path):
     return read_card(path)[0], json.loads((path / "config.json").read_text())
 
 
-def test_the_card_states_the_checkpoint_and_how_it_was_made(draft, target):
-    write_model_card(draft, TRAINING)
-    front, config = front_and_config(draft)
-    stated = card_facts(config)
-    assert front["base_model"] == stated.pop("base_model") == target
-    assert front["peagle"] == stated and stated["speculative_tokens"] == 3
-    text = (draft / CARD_FILE).read_text()
+# A "/"-rooted path: not inside a URL ("https://"), an id ("owner/name"), a fraction ("0.5 / 0.2").
+ABSOLUTE = re.compile(r"(?<![\w/:.\]])/[\w.-]+/")
+
+
+def assert_portable(card: Path, *paths) -> str:
+    """The card's text, checked to name no absolute path (of ``paths`` or any other)."""
+    text = card.read_text()
+    for path in (*paths, Path.cwd()):
+        assert str(path) not in text, path
+    assert not ABSOLUTE.findall(text), ABSOLUTE.findall(text)
+    return text
+
+
+def serve_spec(text):
     serve = re.search(r"^vllm serve .*$", text, re.M).group(0)
     args = shlex.split(serve)
-    spec = json.loads(args[args.index("--speculative-config") + 1])
-    assert args[2] == target
-    assert spec == {"method": "eagle3", "model": str(draft.resolve()), "parallel_drafting": True,
+    return args[2], json.loads(args[args.index("--speculative-config") + 1])
+
+
+def test_the_card_states_the_checkpoint_and_how_it_was_made(draft, target, tmp_path):
+    training = {**TRAINING, "data_path": str(tmp_path / "data")}
+    write_model_card(draft, training)
+    front, config = front_and_config(draft)
+    assert "base_model" not in front  # the target is a local directory that names no id
+    assert front["peagle"] == card_facts(config) and front["peagle"]["speculative_tokens"] == 3
+    text = assert_portable(draft / CARD_FILE, target, tmp_path)
+    served, spec = serve_spec(text)
+    assert served == "TARGET"
+    assert f"`TARGET` is the target it drafts for, `{Path(target).name}`" in text
+    assert spec == {"method": "eagle3", "model": "draft", "parallel_drafting": True,
                     "num_speculative_tokens": 3}
     facts = ("1100 samples", "runs/x/train_prompts.jsonl", "5 per prompt", "temperature 0.7",
              "3 prompts dropped", "num_depths=4", "lr=0.001", "1234 optimizer steps")
@@ -58,6 +82,25 @@ def test_the_card_states_the_checkpoint_and_how_it_was_made(draft, target):
         assert fact in text, fact
     assert "Not evaluated yet" in text
     assert check_checkpoint(draft, target) == []
+
+
+def test_base_model_is_a_model_id_given_or_named_by_the_targets_config(draft, target, tmp_path):
+    named = tmp_path / "cache" / "smol"  # a local target whose config names its hub id
+    named.mkdir(parents=True)
+    (named / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/Smol"}))
+    config = json.loads((draft / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = str(named)
+    (draft / "config.json").write_text(json.dumps(config))
+    write_model_card(draft, TRAINING)
+    assert read_card(draft)[0]["base_model"] == "HuggingFaceTB/Smol"
+    text = assert_portable(draft / CARD_FILE, named)
+    assert serve_spec(text)[0] == "HuggingFaceTB/Smol"
+    write_model_card(draft, base_model="org/given")  # given wins, and later rewrites keep it
+    write_model_card(draft, location=tmp_path / "elsewhere")
+    assert read_card(draft)[0]["base_model"] == "org/given"
+    assert serve_spec(assert_portable(draft / CARD_FILE))[1]["model"] == "elsewhere"
+    with pytest.raises(ValueError, match="--base-model must be a hub model id"):
+        EvalConfig(target=target, base_model=str(named))
 
 
 def test_a_card_that_contradicts_config_json_is_found_and_exported_away(draft, target, tmp_path):
@@ -71,8 +114,9 @@ def test_a_card_that_contradicts_config_json_is_found_and_exported_away(draft, t
     assert remaining == []
     front, config = front_and_config(tmp_path / "out")
     assert front["peagle"]["speculative_tokens"] == 3
-    assert str((tmp_path / "out").resolve()) in (tmp_path / "out" / CARD_FILE).read_text()
-    assert "1234 optimizer steps" in (tmp_path / "out" / CARD_FILE).read_text()  # kept
+    text = assert_portable(tmp_path / "out" / CARD_FILE, tmp_path)
+    assert serve_spec(text)[1]["model"] == "out"
+    assert "1234 optimizer steps" in text  # kept
 
 
 def test_someone_elses_readme_is_left_alone(draft, target):
@@ -80,45 +124,87 @@ def test_someone_elses_readme_is_left_alone(draft, target):
     card.write_text("# my notes\n")
     assert read_card(draft) is None
     assert check_checkpoint(draft, target) == []
-    assert write_eval_section(draft, "table") is False
+    assert write_eval_section(draft, "table", []) is False
+    update_model_cards(fake_record(draft, 44), lambda line: None)
     assert card.read_text() == "# my notes\n"
 
 
-def fake_record(draft):
+def fake_record(draft, prompts, *, prompt_set="humaneval[120:164]", max_new_tokens=128,
+                accept=1.734, base_model=None):
+    """An eval record of ``draft`` and another draft at K=2 on ``prompts`` prompts."""
     def run(path, k, accept):
-        return {"prompt_set": "humaneval[120:164]", "draft": path, "label": "trained" if k else
+        return {"prompt_set": prompt_set, "draft": path, "label": "trained" if k else
                 "no draft", "k": k, "concurrency": 1, "acceptance_length": accept,
                 "per_position": [0.5, 0.2] if k else None, "counters": {"num_drafts": 9} if k
                 else None, "tokens_per_s": 30.0 if k else 20.0, "tpot_s": None,
-                "speedup": 1.5 if k else None}
+                "speedup": 1.5 if k else None, "outputs": ["x"] * prompts}
 
     other = str(draft.parent / "other")
     return {
         "provenance": {
-            "created_utc": "2026-11-27T03:00:00+00:00",
-            "argv": ["speculators-peagle", "eval", "--draft", str(draft)],
+            "created_utc": f"2026-11-27T03:00:{prompts % 60:02d}+00:00",
+            "argv": [str(Path.cwd() / ".venv/bin/speculators-peagle"), "eval", "--draft",
+                     str(draft), f"--target={draft.parent / 'target'}", "--max-new-tokens",
+                     str(max_new_tokens)],
             "versions": {"vllm": "0.32.0", "torch": None},
             "hardware": {"cpu": "Some CPU", "gpu": None},
         },
-        "config": {"dtype": "float32"},
+        "config": {"dtype": "float32", "max_new_tokens": max_new_tokens, "ignore_eos": False,
+                   "enforce_eager": False, "backend": "vllm", "base_model": base_model,
+                   "target": str(draft.parent / "target")},
         "drafts": [{"path": str(draft)}, {"path": other}],
-        "runs": [run(None, None, None), run(str(draft), 2, 1.734), run(other, 2, 1.111)],
+        "runs": [run(None, None, None), run(str(draft), 2, accept), run(other, 2, 1.111)],
         "recommendation": [],
     }
 
 
-def test_eval_writes_its_table_into_the_card_and_train_keeps_it(draft):
+def rows(draft):
+    """The card's table rows as ``{column: cell}``."""
+    section = (draft / CARD_FILE).read_text().split("## Acceptance and speed")[1]
+    head, _, *lines = [x for x in section.splitlines() if x.startswith("|")]
+
+    def cells(line):
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    return [dict(zip(cells(head), cells(x), strict=True)) for x in lines]
+
+
+def test_eval_writes_its_table_into_the_card_and_train_keeps_it(draft, target):
     write_model_card(draft, TRAINING)
-    record = fake_record(draft)
     said = []
-    update_model_cards(record, said.append)
-    text = (draft / CARD_FILE).read_text()
+    update_model_cards(fake_record(draft, 44), said.append)
+    text = assert_portable(draft / CARD_FILE, target)
     assert "1.734" in text and "1.111" not in text  # this draft's rows, not the other's
-    assert "no draft" in text and "Not evaluated yet" not in text
-    assert "speculators-peagle eval --draft" in text and "Some CPU" in text
-    assert "vllm 0.32.0" in text and "torch" not in text.split("Measured")[1].split("\n")[0]
+    assert "Not evaluated yet" not in text
+    assert "Some CPU; vllm 0.32.0: `speculators-peagle eval --draft draft --target=target" in text
+    ((row),) = rows(draft)
+    assert row["n prompts"] == "44" and row["accept len"] == "1.734" and row["k"] == "2"
+    assert row["tok/s"] == "30.0" and row["no-draft tok/s"] == "20.0" and row["speedup"] == "1.50x"
     assert said == [f"model card: {draft / CARD_FILE} (acceptance and speed)"]
-    write_model_card(draft)  # a rewrite (export) keeps the measured section and the recipe
-    again = (draft / CARD_FILE).read_text()
-    assert eval_section(record, str(draft)) in again and "1234 optimizer steps" in again
-    assert yaml.safe_load(again.split("---\n")[1])["peagle"]["speculative_tokens"] == 3
+    before = read_card(draft)[0]["peagle_eval"]
+    write_model_card(draft)  # a rewrite (export) keeps the entries, the table and the recipe
+    front, body = read_card(draft)
+    assert front["peagle_eval"] == before and "1.734" in body and "1234 optimizer steps" in body
+    assert front["peagle"]["speculative_tokens"] == 3
+
+
+def test_a_smoke_eval_after_the_full_one_leaves_the_full_table(draft, target):
+    write_model_card(draft, TRAINING)
+    update_model_cards(fake_record(draft, 345, accept=1.739), print)
+    # the issue's smoke check: 2 prompts, 8 tokens; then 2 prompts at the full one's settings
+    update_model_cards(fake_record(draft, 2, prompt_set="humaneval[:2]", max_new_tokens=8,
+                                   accept=2.667), print)
+    update_model_cards(fake_record(draft, 2, accept=2.5), print)
+    found = {(r["prompts"], r["max_new_tokens"]): r for r in rows(draft)}
+    assert set(found) == {("humaneval[120:164]", "128"), ("humaneval[:2]", "8")}
+    assert found["humaneval[120:164]", "128"]["accept len"] == "1.739"
+    assert found["humaneval[120:164]", "128"]["n prompts"] == "345"
+    assert found["humaneval[:2]", "8"]["n prompts"] == "2"
+    entries = read_card(draft)[0]["peagle_eval"]  # machine-readable, for the next merge
+    assert [(e["prompts"], e["prompt_count"]) for e in entries] == [
+        ("humaneval[120:164]", 345), ("humaneval[:2]", 2)]
+    update_model_cards(fake_record(draft, 345, accept=1.8, base_model="org/target"), print)
+    found = {(r["prompts"], r["max_new_tokens"]): r for r in rows(draft)}
+    assert found["humaneval[120:164]", "128"]["accept len"] == "1.800"  # as large: the newer
+    assert read_card(draft)[0]["base_model"] == "org/target"
+    assert_portable(draft / CARD_FILE, target)

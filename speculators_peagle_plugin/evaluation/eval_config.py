@@ -16,6 +16,7 @@ from pathlib import Path
 from ..common.dtypes import DTYPE_NAMES
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
+from ..serving.model_card import model_id
 
 BACKENDS = ("vllm", "reference")
 # vLLM's CPU KV cache when --kv-cache-gb is not given: room for the sweep's largest batch of
@@ -63,7 +64,7 @@ class SweepConfig:
         short="-k",
         show="1,2,4",
     )
-    max_new_tokens: int = _opt(128, "Tokens decoded per request.")
+    max_new_tokens: int = _opt(128, "Tokens decoded per request.", card=True)
     concurrency: tuple[int, ...] = _opt(
         (1, 4, 16), "Requests in flight, or a comma-separated sweep: 1,4,16.", show="1,4,16"
     )
@@ -79,6 +80,7 @@ class SweepConfig:
         "speedups are not the served ones.",
         switch=True,
         show=None,
+        card=True,
     )
 
     def __post_init__(self) -> None:
@@ -125,6 +127,8 @@ class EvalConfig(Settings):
             their defaults (each server has its own).
         labels: the table's name for each server, in the order of ``servers`` (empty: the
             model name each server reports).
+        base_model: the target's hub model id, written as ``base_model`` into the model
+            card of each draft (:mod:`.card`).
     """
 
     target: str = _opt(help="Local target directory.", show=None)
@@ -132,14 +136,14 @@ class EvalConfig(Settings):
         (), "P-EAGLE checkpoint (repeatable).", flag="--draft", multiple=True, show=None
     )
     sweep: SweepConfig = section(SweepConfig)
-    backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS)
+    backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS, card=True)
     baseline: bool = _opt(
         True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None
     )
     ignore_eos: bool = _opt(
-        False, "Always decode --max-new-tokens tokens.", switch=True, show=None
+        False, "Always decode --max-new-tokens tokens.", switch=True, show=None, card=True
     )
-    dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES)
+    dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES, card=True)
     max_model_len: int | None = _opt(None, "vLLM max_model_len.", show="the target's")
     output_dir: str = _opt(
         help="Run directory.",
@@ -176,6 +180,10 @@ class EvalConfig(Settings):
         (), "The table's name for each --server, in the same order (repeatable).", flag="--label",
         multiple=True, show="the model name the server reports",
     )
+    base_model: str | None = _opt(
+        None, "The target's hub model id (owner/name), for the model cards' base_model.",
+        show="the id the target's config names, or none",
+    )
 
     def __post_init__(self) -> None:
         self.drafts = tuple(self.drafts)
@@ -195,6 +203,11 @@ class EvalConfig(Settings):
         if not (Path(self.target) / "config.json").is_file():
             raise ValueError(
                 f"target {self.target!r} is not a local model directory (no config.json)."
+            )
+        if self.base_model is not None and model_id(self.base_model) is None:
+            raise ValueError(
+                f"--base-model must be a hub model id such as owner/name (a model card names "
+                f"no local path), got {self.base_model!r}."
             )
         for draft in self.drafts:
             if not Path(draft).is_dir():

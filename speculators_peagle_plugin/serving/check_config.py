@@ -270,6 +270,42 @@ def _aux_count(d: CheckedDraft) -> Iterator[Finding]:
         )
 
 
+# ------------------------------------------------------------------ shipped code
+
+
+def remote_code_files(config: dict) -> list[str]:
+    """The code files config.json's ``auto_map`` points transformers' Auto classes to.
+
+    An entry ``"AutoConfig": "configuration_x.XConfig"`` names ``configuration_x.py`` (of
+    this directory; ``"repo--module.Class"``: of that repository). The entry speculators'
+    ``save_pretrained`` writes, ``"": "config.PEagleSpeculatorConfig"``, has no Auto class
+    as its key, so nothing loads the ``config.py`` it names.
+    """
+    auto_map = config.get("auto_map")
+    files: list[str] = []
+    for auto_class, refs in (auto_map.items() if isinstance(auto_map, dict) else ()):
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if not (auto_class and isinstance(ref, str) and "." in ref):
+                continue  # a tokenizer's missing slow or fast class is null
+            repo, _, ref = ref.rpartition("--")
+            name = ref.rsplit(".", 1)[0] + ".py" + (f" of {repo}" if repo else "")
+            if name not in files:
+                files.append(name)
+    return files
+
+
+def _remote_code(d: CheckedDraft) -> Iterator[Finding]:
+    files = remote_code_files(d.config)
+    if files:
+        yield warning(
+            "remote-code",
+            f"config.json's auto_map names {', '.join(files)}: the draft ships code that "
+            "neither this package nor vLLM runs without --trust-remote-code.",
+            "Read that code before passing --trust-remote-code anywhere; a P-EAGLE draft "
+            "needs no code of its own, so auto_map can be removed.",
+        )
+
+
 CONFIG_RULES: tuple[Rule, ...] = (
     _speculators_type,
     _top_level_model_type,
@@ -285,6 +321,7 @@ CONFIG_RULES: tuple[Rule, ...] = (
     _draft_head_dim,
     _layer_ids,
     _aux_count,
+    _remote_code,
 )
 # Gates: without a P-EAGLE speculators config or a layer config of a supported type,
 # nothing after them can be judged.

@@ -76,9 +76,10 @@ def export_checkpoint(
         ``(fixed, remaining)``: the findings fixed, and the warnings left in the copy.
 
     Raises ``ValueError`` (nothing written) if an error remains that needs more than a
-    mechanical fix, or ``out_dir`` exists.
+    mechanical fix, ``out_dir`` exists, or one of the two directories is inside the other.
     """
     out_dir = Path(out_dir)
+    _refuse_overlap(Path(draft_dir), out_dir)
     if out_dir.exists():
         raise ValueError(f"{str(out_dir)!r} already exists; export writes a new directory.")
     ckpt = DraftCheckpoint.read(draft_dir)
@@ -103,6 +104,23 @@ def export_checkpoint(
     left = {(f.code, f.message) for f in after}
     fixed = [f for f in before if f.severity == "error" and (f.code, f.message) not in left]
     return fixed, after
+
+
+def _refuse_overlap(draft_dir: Path, out_dir: Path) -> None:
+    """A copy inside its source would copy itself; a source inside its copy would be replaced.
+
+    Both are compared as real paths (symlinks and ``..`` resolved), so that two spellings of
+    one directory are caught.
+    """
+    src, out = draft_dir.resolve(), out_dir.resolve()
+    if out.is_relative_to(src):
+        where = f"the output {str(out_dir)!r} is the checkpoint {str(draft_dir)!r} or inside it"
+    elif src.is_relative_to(out):
+        where = f"the checkpoint {str(draft_dir)!r} is inside the output {str(out_dir)!r}"
+    else:
+        return
+    raise ValueError(f"export cannot copy a checkpoint into itself: {where}; give an output "
+                     "directory outside the checkpoint.")
 
 
 def _write(ckpt: DraftCheckpoint, config: dict, tensors: dict, out: Path) -> None:

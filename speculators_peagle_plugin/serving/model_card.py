@@ -8,9 +8,13 @@ serving (K, layers, draft vocabulary, aux layers, mask token), so ``check`` can 
 that no longer describes its checkpoint (:func:`card_findings`).
 
 Who writes what: ``train`` writes the card into every checkpoint it saves
-(:func:`write_model_card`); ``eval`` replaces the card's acceptance section when it
-evaluates that draft (:func:`write_eval_section`); ``export`` rewrites the facts of the
-copy it fixes. A README.md without a ``peagle`` block is someone else's and is left alone.
+(:func:`write_model_card`); ``eval`` merges what it measured into the card's ``peagle_eval``
+entries and rewrites the acceptance section from them (:func:`write_eval_section`, with
+:mod:`..evaluation.card`); ``export`` rewrites the facts of the copy it fixes. A README.md
+without a ``peagle`` block is someone else's and is left alone.
+
+A card is meant to be shared: it names the target by its model id (``base_model``, or none)
+and local paths by :func:`portable_path`, never by an absolute path of this machine.
 
 Example::
 
@@ -28,12 +32,14 @@ import yaml
 
 from ..common.files import atomic_write_text
 from ..common.reading import read_json
-from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, warning
+from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, object_at, warning
 
 __all__ = [
     "CARD_FILE",
     "card_facts",
     "card_findings",
+    "model_id",
+    "portable_path",
     "read_card",
     "serve_command",
     "write_eval_section",
@@ -43,6 +49,9 @@ __all__ = [
 CARD_FILE = "README.md"
 EVAL_BEGIN, EVAL_END = "<!-- peagle-eval -->", "<!-- /peagle-eval -->"
 _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
+EVALS = "peagle_eval"  # the front matter's list of eval entries (evaluation.card)
+# A hub model id: ``name`` or ``owner/name``.
+_MODEL_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 # The recipe settings a card lists (TrainConfig names), when training states them.
 RECIPE_KEYS = (
     "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "total_seq_len",
@@ -51,11 +60,9 @@ RECIPE_KEYS = (
 
 
 def card_facts(config: dict) -> dict:
-    """The facts of a draft's ``config.json`` that its card states, by card key."""
-    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    """The facts of a draft's ``config.json`` that its card's ``peagle`` block states."""
     layer = config.get("transformer_layer_config") or {}
     return {
-        "base_model": verifier.get("name_or_path"),
         "speculative_tokens": declared_k(config),
         "num_layers": layer.get("num_hidden_layers"),
         "draft_vocab_size": config.get("draft_vocab_size"),
@@ -64,41 +71,83 @@ def card_facts(config: dict) -> dict:
     }
 
 
-def serve_command(draft_dir: str | Path, config: dict) -> str:
-    """The ``vllm serve`` line that serves ``draft_dir`` with parallel drafting."""
-    facts = card_facts(config)
-    spec = {"method": "eagle3", "model": str(draft_dir), "parallel_drafting": True,
-            "num_speculative_tokens": facts["speculative_tokens"]}
-    return f"vllm serve {facts['base_model']} --speculative-config '{json.dumps(spec)}'"
+def model_id(name: str | None) -> str | None:
+    """``name`` if it is a hub model id (``owner/name``) rather than a local path, else None."""
+    if not name or not _MODEL_ID.fullmatch(name) or name.startswith("."):
+        return None
+    return None if Path(name).exists() else name
 
 
-def read_card(draft_dir: str | Path) -> tuple[dict, str] | None:
-    """``(front matter, body)`` of the draft's card, or None where it has no card of ours."""
+def portable_path(path: str | Path) -> str:
+    """How a card names a local path: as given when relative, relative to the working
+    directory when inside it, else by its last part (``/home/me/runs/d`` -> ``d``)."""
+    path = Path(path)
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
+def _verifier(config: dict) -> str | None:
+    return object_at(object_at(config, "speculators_config"), "verifier").get("name_or_path")
+
+
+def _base_model(config: dict, given: str | None, old_front: dict) -> str | None:
+    """The card's ``base_model``: ``given``, else the id an earlier card gave, else the
+    verifier's name when it is an id, else the ``_name_or_path`` its local config names."""
+    verifier = _verifier(config)
+    named = None
+    if verifier and (Path(verifier) / "config.json").is_file():
+        named = read_json(Path(verifier) / "config.json").get("_name_or_path")
+    for name in (given, old_front.get("base_model"), verifier, named):
+        if model_id(name):
+            return name
+    return None
+
+
+def serve_command(draft: str, config: dict, base_model: str | None = None) -> str:
+    """The ``vllm serve`` line that serves ``draft`` with parallel drafting (the target:
+    ``base_model``, else ``TARGET``)."""
+    spec = {"method": "eagle3", "model": draft, "parallel_drafting": True,
+            "num_speculative_tokens": declared_k(config)}
+    return f"vllm serve {base_model or 'TARGET'} --speculative-config '{json.dumps(spec)}'"
+
+
+def _raw_card(draft_dir: str | Path) -> tuple[str, str] | None:
+    """``(front matter text, body)`` of a README.md that opens with front matter."""
     path = Path(draft_dir) / CARD_FILE
     if not path.is_file():
         return None
     text = path.read_text()
     match = _FRONT.match(text)
-    if match is None:
+    return None if match is None else (match.group(1), text[match.end() :])
+
+
+def read_card(draft_dir: str | Path) -> tuple[dict, str] | None:
+    """``(front matter, body)`` of the draft's card, or None where it has no card of ours."""
+    raw = _raw_card(draft_dir)
+    if raw is None:
         return None
     try:
-        front = yaml.safe_load(match.group(1))
+        front = yaml.safe_load(raw[0])
     except yaml.YAMLError:
         return None
     if not isinstance(front, dict) or not isinstance(front.get("peagle"), dict):
         return None
-    return front, text[match.end() :]
+    return front, raw[1]
 
 
-def _front_matter(config: dict) -> str:
-    facts = card_facts(config)
+def _front_matter(config: dict, base_model: str | None, evals: list) -> str:
     front = {
-        "base_model": facts.pop("base_model"),
+        **({"base_model": base_model} if base_model else {}),
         "library_name": "vllm",
         "tags": ["speculative-decoding", "eagle3", "p-eagle", "speculators"],
-        "peagle": facts,
+        "peagle": card_facts(config),
+        **({EVALS: evals} if evals else {}),
     }
-    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+    return "---\n" + yaml.safe_dump(front, sort_keys=False, width=1000) + "---\n"
 
 
 def _made_rows(training: dict) -> list[tuple[str, str]]:
@@ -109,7 +158,7 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
         d = data.get
         made = (
             (f"{training['samples']} samples: " if training.get("samples") else "")
-            + f"the target's replies to `{d('prompts')}` "
+            + f"the target's replies to `{portable_path(d('prompts'))}` "
             f"({d('num_samples')} per prompt, temperature {d('temperature')}, up to "
             f"{d('max_new_tokens')} new tokens, {d('backend')} in {d('dtype')})"
         )
@@ -118,7 +167,7 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
             held = ", ".join(guard.get("held_out", []))
             rows.append(("held out", f"{guard.get('dropped')} prompts dropped that overlap {held}"))
     elif training.get("data_path"):
-        rows.append(("data", f"`{training['data_path']}`"))
+        rows.append(("data", f"`{portable_path(training['data_path'])}`"))
     recipe = training.get("recipe") or {}
     settings = ", ".join(f"{k}={recipe[k]}" for k in RECIPE_KEYS if recipe.get(k) is not None)
     if settings:
@@ -129,7 +178,12 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
 
 
 def write_model_card(
-    draft_dir: str | Path, training: dict | None = None, *, location: str | Path | None = None
+    draft_dir: str | Path,
+    training: dict | None = None,
+    *,
+    location: str | Path | None = None,
+    base_model: str | None = None,
+    evaluation: tuple[str, list[dict]] | None = None,
 ) -> Path:
     """Write (or rewrite) ``draft_dir/README.md`` from its ``config.json`` and ``training``.
 
@@ -140,27 +194,30 @@ def write_model_card(
             name); None keeps the card's "How it was made" section as it is.
         location: where the draft will live, for the serve line (a checkpoint is written
             under a temporary name); default: ``draft_dir``.
-
-    An existing card's acceptance section is kept: eval wrote it for these weights.
+        base_model: the target's hub model id; default: see :func:`_base_model`.
+        evaluation: ``(acceptance section text, eval entries)``; None keeps the card's own
+            (eval wrote them for these weights).
     """
     draft_dir = Path(draft_dir)
     config = read_json(draft_dir / "config.json")
-    old = read_card(draft_dir)
-    old_body = old[1] if old else ""
-    facts = card_facts(config)
-    target = facts["base_model"]
-    name = Path(str(target)).name if target else "its target"
+    old_front, old_body = read_card(draft_dir) or ({}, "")
+    base_model = _base_model(config, base_model, old_front)
+    target = base_model or Path(str(_verifier(config) or "its target")).name
+    draft = portable_path(location or draft_dir)
     lines = [
-        f"# P-EAGLE draft for {name}",
+        f"# P-EAGLE draft for {target}",
         "",
         f"A parallel-drafting EAGLE-3 (P-EAGLE) draft: one forward pass proposes "
-        f"{facts['speculative_tokens']} tokens that `{target}` verifies. Trained with "
+        f"{declared_k(config)} tokens that `{target}` verifies. Trained with "
         "speculators-peagle-plugin on the target's own replies.",
         "",
         "## Serve it",
         "",
+        f"`{draft}` is this draft's directory as seen from where it was written"
+        + ("." if base_model else f"; `TARGET` is the target it drafts for, `{target}`."),
+        "",
         "```bash",
-        serve_command(Path(location or draft_dir).resolve(), config),
+        serve_command(draft, config, base_model),
         "```",
         "",
     ]
@@ -171,26 +228,26 @@ def write_model_card(
                           *(f"| {k} | {v} |" for k, v in rows), ""])
     if made:
         lines += [made.rstrip("\n"), ""]
-    evaluated = _between(old_body) or (
-        f"Not evaluated yet: `speculators-peagle eval --target {target} --draft "
-        f"{Path(location or draft_dir)}` writes its acceptance and speed here."
+    evaluated, evals = evaluation or (_between(old_body), old_front.get(EVALS) or [])
+    evaluated = evaluated or (
+        f"Not evaluated yet: `speculators-peagle eval --target TARGET --draft {draft}` "
+        "(TARGET: the target's local directory) writes its acceptance and speed here."
     )
     lines += ["## Acceptance and speed", "", EVAL_BEGIN, evaluated.strip("\n"), EVAL_END, ""]
     path = draft_dir / CARD_FILE
-    atomic_write_text(path, _front_matter(config) + "\n" + "\n".join(lines))
+    front = _front_matter(config, base_model, evals)
+    atomic_write_text(path, front + "\n" + "\n".join(lines))
     return path
 
 
-def write_eval_section(draft_dir: str | Path, text: str) -> bool:
-    """Replace the card's acceptance section with ``text``; False where there is no card."""
-    card = read_card(draft_dir)
-    if card is None or EVAL_BEGIN not in card[1]:
+def write_eval_section(
+    draft_dir: str | Path, text: str, evals: list[dict], base_model: str | None = None
+) -> bool:
+    """Rewrite the card with ``evals`` as its eval entries and ``text`` as its acceptance
+    section (and ``base_model``, when given); False where there is no card of ours."""
+    if read_card(draft_dir) is None:
         return False
-    path = Path(draft_dir) / CARD_FILE
-    raw = path.read_text()
-    head, rest = raw.split(EVAL_BEGIN, 1)
-    tail = rest.split(EVAL_END, 1)[1] if EVAL_END in rest else ""
-    atomic_write_text(path, f"{head}{EVAL_BEGIN}\n{text.strip()}\n{EVAL_END}{tail}")
+    write_model_card(draft_dir, base_model=base_model, evaluation=(text, evals))
     return True
 
 
@@ -210,12 +267,26 @@ def _section(body: str, heading: str) -> str | None:
 
 
 def card_findings(ckpt: DraftCheckpoint) -> list[Finding]:
-    """A card whose facts differ from the checkpoint's config.json (one finding per fact)."""
+    """A card whose front matter is not plain YAML, or whose facts differ from the
+    checkpoint's config.json (one finding per fact). The front matter is read with
+    ``yaml.safe_load`` only: nothing in it is constructed or run."""
+    raw = _raw_card(ckpt.path)
+    if raw is None:
+        return []
+    try:
+        yaml.safe_load(raw[0])
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        return [warning(
+            "model-card-yaml",
+            f"README.md's front matter is not plain YAML ({problem}); a tool that loads it "
+            "with Python tags allowed would construct the objects it names.",
+            "Rewrite the front matter as plain YAML, or delete README.md.",
+        )]
     card = read_card(ckpt.path)
     if card is None:
         return []
-    front, _ = card
-    stated = {"base_model": front.get("base_model"), **front["peagle"]}
+    stated = card[0]["peagle"]
     found = []
     for key, value in card_facts(ckpt.config).items():
         if key in stated and stated[key] != value:
