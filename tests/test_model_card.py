@@ -130,8 +130,8 @@ def test_someone_elses_readme_is_left_alone(draft, target):
 
 
 def fake_record(draft, prompts, *, prompt_set="humaneval[120:164]", max_new_tokens=128,
-                accept=1.734, base_model=None):
-    """An eval record of ``draft`` and another draft at K=2 on ``prompts`` prompts."""
+                accept=1.734, base_model=None, ks=(2,)):
+    """An eval record of ``draft`` at ``ks`` and another draft at K=2 on ``prompts`` prompts."""
     def run(path, k, accept):
         return {"prompt_set": prompt_set, "draft": path, "label": "trained" if k else
                 "no draft", "k": k, "concurrency": 1, "acceptance_length": accept,
@@ -153,7 +153,8 @@ def fake_record(draft, prompts, *, prompt_set="humaneval[120:164]", max_new_toke
                    "enforce_eager": False, "backend": "vllm", "base_model": base_model,
                    "target": str(draft.parent / "target")},
         "drafts": [{"path": str(draft)}, {"path": other}],
-        "runs": [run(None, None, None), run(str(draft), 2, accept), run(other, 2, 1.111)],
+        "runs": [run(None, None, None), *(run(str(draft), k, accept) for k in ks),
+                 run(other, 2, 1.111)],
         "recommendation": [],
     }
 
@@ -190,21 +191,24 @@ def test_eval_writes_its_table_into_the_card_and_train_keeps_it(draft, target):
 
 def test_a_smoke_eval_after_the_full_one_leaves_the_full_table(draft, target):
     write_model_card(draft, TRAINING)
-    update_model_cards(fake_record(draft, 345, accept=1.739), print)
+    update_model_cards(fake_record(draft, 345, accept=1.739, ks=(2, 4)), print)
     # the issue's smoke check: 2 prompts, 8 tokens; then 2 prompts at the full one's settings
     update_model_cards(fake_record(draft, 2, prompt_set="humaneval[:2]", max_new_tokens=8,
                                    accept=2.667), print)
     update_model_cards(fake_record(draft, 2, accept=2.5), print)
-    found = {(r["prompts"], r["max_new_tokens"]): r for r in rows(draft)}
-    assert set(found) == {("humaneval[120:164]", "128"), ("humaneval[:2]", "8")}
-    assert found["humaneval[120:164]", "128"]["accept len"] == "1.739"
-    assert found["humaneval[120:164]", "128"]["n prompts"] == "345"
-    assert found["humaneval[:2]", "8"]["n prompts"] == "2"
+    found = {(r["prompts"], r["max_new_tokens"], r["k"]): r for r in rows(draft)}
+    assert set(found) == {("humaneval[120:164]", "128", "2"), ("humaneval[120:164]", "128", "4"),
+                          ("humaneval[:2]", "8", "2")}
+    assert found["humaneval[120:164]", "128", "2"]["accept len"] == "1.739"
+    assert found["humaneval[120:164]", "128", "2"]["n prompts"] == "345"
+    assert found["humaneval[:2]", "8", "2"]["n prompts"] == "2"
     entries = read_card(draft)[0]["peagle_eval"]  # machine-readable, for the next merge
-    assert [(e["prompts"], e["prompt_count"]) for e in entries] == [
-        ("humaneval[120:164]", 345), ("humaneval[:2]", 2)]
+    assert [(e["prompts"], e["settings"]["k"], e["prompt_count"]) for e in entries] == [
+        ("humaneval[120:164]", 2, 345), ("humaneval[120:164]", 4, 345), ("humaneval[:2]", 2, 2)]
+    assert "&id" not in (draft / CARD_FILE).read_text()  # plain entries, no YAML aliases
     update_model_cards(fake_record(draft, 345, accept=1.8, base_model="org/target"), print)
-    found = {(r["prompts"], r["max_new_tokens"]): r for r in rows(draft)}
-    assert found["humaneval[120:164]", "128"]["accept len"] == "1.800"  # as large: the newer
+    found = {(r["prompts"], r["max_new_tokens"], r["k"]): r for r in rows(draft)}
+    assert found["humaneval[120:164]", "128", "2"]["accept len"] == "1.800"  # as large: newer
+    assert found["humaneval[120:164]", "128", "4"]["accept len"] == "1.739"  # not measured
     assert read_card(draft)[0]["base_model"] == "org/target"
     assert_portable(draft / CARD_FILE, target)

@@ -43,34 +43,36 @@ def _command(argv: list[str]) -> str:
 def card_entries(record: dict, draft: str) -> list[dict]:
     """One card entry per drafted cell of ``draft`` (as named in ``record["drafts"]``)."""
     where = Path(draft).resolve()
-    prov, config = record["provenance"], record["config"]
     baseline = {(r["prompt_set"], r.get("concurrency")): r for r in record["runs"] if not r["k"]}
-    measured = {
-        "utc": prov["created_utc"],
-        "machine": prov["hardware"].get("gpu") or prov["hardware"].get("cpu") or "?",
-        "versions": ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
-        "command": _command(prov["argv"]),
-    }
+    card_settings = {key: record["config"].get(key) for key in _card_settings()}
     entries = []
     for r in record["runs"]:
         if not r["k"] or r["draft"] is None or Path(r["draft"]).resolve() != where:
             continue
-        base = baseline.get((r["prompt_set"], r.get("concurrency")))
-        settings = {"k": r["k"], "concurrency": r.get("concurrency"),
-                    **{key: config.get(key) for key in _card_settings()}}
+        base = baseline.get((r["prompt_set"], r.get("concurrency"))) or {}
         entries.append({
             "prompts": portable_path(r["prompt_set"]),
-            "settings": settings,
+            "settings": {"k": r["k"], "concurrency": r.get("concurrency"), **card_settings},
             "prompt_count": len(r["outputs"]),
             "acceptance_length": _round(r["acceptance_length"], 4),
             "per_position": [_round(p, 4) for p in r["per_position"] or []],
             "drafts": (r["counters"] or {}).get("num_drafts"),
             "tokens_per_s": _round(r["tokens_per_s"], 2),
-            "no_draft_tokens_per_s": _round(base and base["tokens_per_s"], 2),
+            "no_draft_tokens_per_s": _round(base.get("tokens_per_s"), 2),
             "speedup": _round(r.get("speedup"), 4),
-            "measured": measured,
+            "measured": _measured(record["provenance"]),
         })
     return entries
+
+
+def _measured(prov: dict) -> dict:
+    """When, where, with what and by which command a record was measured."""
+    return {
+        "utc": prov["created_utc"],
+        "machine": prov["hardware"].get("gpu") or prov["hardware"].get("cpu") or "?",
+        "versions": ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v),
+        "command": _command(prov["argv"]),
+    }
 
 
 def _round(value, digits: int):

@@ -71,9 +71,9 @@ def card_facts(config: dict) -> dict:
     }
 
 
-def model_id(name: str | None) -> str | None:
+def model_id(name) -> str | None:
     """``name`` if it is a hub model id (``owner/name``) rather than a local path, else None."""
-    if not name or not _MODEL_ID.fullmatch(name) or name.startswith("."):
+    if not isinstance(name, str) or not _MODEL_ID.fullmatch(name) or name.startswith("."):
         return None
     return None if Path(name).exists() else name
 
@@ -158,7 +158,7 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
         d = data.get
         made = (
             (f"{training['samples']} samples: " if training.get("samples") else "")
-            + f"the target's replies to `{portable_path(d('prompts'))}` "
+            + f"the target's replies to `{portable_path(d('prompts') or '?')}` "
             f"({d('num_samples')} per prompt, temperature {d('temperature')}, up to "
             f"{d('max_new_tokens')} new tokens, {d('backend')} in {d('dtype')})"
         )
@@ -211,15 +211,7 @@ def write_model_card(
         f"{declared_k(config)} tokens that `{target}` verifies. Trained with "
         "speculators-peagle-plugin on the target's own replies.",
         "",
-        "## Serve it",
-        "",
-        f"`{draft}` is this draft's directory as seen from where it was written"
-        + ("." if base_model else f"; `TARGET` is the target it drafts for, `{target}`."),
-        "",
-        "```bash",
-        serve_command(draft, config, base_model),
-        "```",
-        "",
+        *_serve_section(draft, config, base_model, target),
     ]
     made = _section(old_body, "## How it was made")
     if training is not None:
@@ -235,9 +227,16 @@ def write_model_card(
     )
     lines += ["## Acceptance and speed", "", EVAL_BEGIN, evaluated.strip("\n"), EVAL_END, ""]
     path = draft_dir / CARD_FILE
-    front = _front_matter(config, base_model, evals)
-    atomic_write_text(path, front + "\n" + "\n".join(lines))
+    atomic_write_text(path, _front_matter(config, base_model, evals) + "\n" + "\n".join(lines))
     return path
+
+
+def _serve_section(draft: str, config: dict, base_model: str | None, target: str) -> list[str]:
+    where = f"`{draft}` is this draft's directory as seen from where it was written"
+    if base_model is None:
+        where += f"; `TARGET` is the target it drafts for, `{target}`"
+    return ["## Serve it", "", where + ".", "", "```bash",
+            serve_command(draft, config, base_model), "```", ""]
 
 
 def write_eval_section(
