@@ -9,6 +9,7 @@ from importlib.metadata import version
 
 import click
 
+from .common.paths import check_output_dir
 from .datagen.build_data import generate_data as run_generation
 from .datagen.datagen_config import DataGenConfig
 from .demo.demo_config import DemoConfig
@@ -99,6 +100,7 @@ def check(config: CheckConfig) -> None:
 @config_command(ExportConfig)
 def export(config: ExportConfig) -> None:
     """Write a fixed copy of CHECKPOINT to OUTPUT where every fix is mechanical."""
+    check_output_dir("OUTPUT", config.output)
     fixed, remaining = export_checkpoint(
         config.checkpoint, config.output, config.target, mask_token_id=config.mask_token_id,
         num_speculative_tokens=config.num_speculative_tokens, device=config.device,

@@ -8,6 +8,9 @@ shown default; its type gives how the text is read (``none`` clears an optional 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import traceback
 from contextlib import contextmanager
 from dataclasses import MISSING
 from pathlib import Path
@@ -15,22 +18,43 @@ from typing import get_args, get_origin
 
 import click
 
+from .common.errors import TRACEBACK_ENV, UserError, bug_report_line, one_sentence
+from .common.paths import check_output_dir
 from .common.reading import read_yaml_mapping
-from .common.settings import Leaf, build, leaves
+from .common.settings import Leaf, build, flatten, leaves
 
-# What a command reports as one sentence and a non-zero exit, not as a traceback.
-USER_ERRORS = (ValueError, OSError, RuntimeError)
 _METAVARS = {int: "INTEGER", float: "FLOAT", str: "TEXT"}
 _NOT_GIVEN = object()
 
 
 @contextmanager
 def user_errors():
-    """Bad input (and a failed engine or stage) as ``Error: <one sentence>``, exit 1."""
+    """Bad input, a full disk, too little memory, a failed engine or stage: ``Error: <one
+    sentence>``, exit 1 (with its traceback too under ``SPECULATORS_PEAGLE_TRACEBACK=1``).
+    Any other exception is a bug: its traceback, then :func:`bug_report_line`, exit 1."""
     try:
         yield
-    except USER_ERRORS as exc:
-        raise click.ClickException(str(exc)) from None
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every error is either a sentence or a bug
+        sentence = one_sentence(exc)
+        if sentence is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            traceback.print_exception(exc, file=sys.stderr)
+        if sentence is not None:
+            raise click.ClickException(sentence) from None
+        click.echo(bug_report_line(), err=True)
+        raise SystemExit(1) from None
+
+
+def check_output_paths(config) -> None:
+    """Every output directory setting of ``config`` (metadata ``output``) can be made and
+    written, refused naming its flag. ``output`` is True, or the key of the setting without
+    which the path is not used (``log_dir``: ``logger``)."""
+    values = flatten(config)
+    for leaf in leaves(type(config)):
+        when = leaf.field.metadata.get("output")
+        if when and values[leaf.key] and (when is True or values.get(when)):
+            check_output_dir(leaf.flag, values[leaf.key])
 
 
 class SettingOption(click.Option):
@@ -94,7 +118,7 @@ def _value(leaf: Leaf, given):
     except ValueError:
         kinds = {int: "an integer", float: "a number"}
         kind = kinds.get(base, "a comma-separated list of integers")
-        raise ValueError(f"{leaf.flag} {given!r} is not {kind}.") from None
+        raise UserError(f"{leaf.flag} {given!r} is not {kind}.") from None
 
 
 def given_values(cls, flags: dict) -> dict:
@@ -120,7 +144,7 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--conf
                    load=None):
     """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
     parses them, builds the config (``load(file, given values)`` when the command reads its
-    file its own way) and runs ``fn`` under :func:`user_errors`."""
+    file its own way), checks its output paths and runs ``fn`` under :func:`user_errors`."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -130,6 +154,7 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--conf
                     config = load_config(cls, config_file, flags)
                 else:
                     config = load(config_file, given_values(cls, flags))
+                check_output_paths(config)
                 return fn(config)
 
         for leaf in reversed([leaf for leaf in leaves(cls) if leaf.has_flag]):

@@ -169,7 +169,7 @@ def test_a_full_disk_leaves_no_temporary_checkpoint_and_says_what_it_needed(
     monkeypatch.setattr(torch, "save", full)
     save = tmp_path / "save"
     line = refusal(*run_cli(train_args(workdir, save, "--max-steps", "1")))
-    assert "no space left on the device: a checkpoint needs about" in line and "MiB" in line
+    assert "no space left on the device: a checkpoint needs about" in line
     assert sorted(p.name for p in save.iterdir()) == ["metrics.jsonl"]  # no .tmp- directory
 
 
@@ -254,6 +254,39 @@ def test_cheap_checks_run_before_the_data_scan(workdir, tmp_path, monkeypatch, e
     line = refusal(*run_cli(train_args(workdir, save, "--max-steps", "1", *extra)))
     assert sentence in line
     assert not save.exists(), "a failed run left an empty save directory"
+
+
+def test_an_output_path_that_cannot_be_made_is_refused_before_any_work_naming_its_flag(
+    workdir, tmp_path, monkeypatch
+):
+    def scanned(self, progress=True):
+        raise AssertionError("the data was scanned before the output paths were checked")
+
+    monkeypatch.setattr(TrainingData, "validate", scanned)
+    save = tmp_path / "save"
+    args = train_args(workdir, save, "--logger", "tensorboard", "--log-dir", "/proc/nope/tb")
+    assert refusal(*run_cli(args)) == (
+        "Error: --log-dir /proc/nope/tb cannot be created: making a directory in /proc fails "
+        "(No such file or directory); choose a writable path."
+    )
+    assert not save.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    under = str(blocker / "sub")
+    target = str(workdir / "target")
+    for flag, args in (
+        ("--save-path", train_args(workdir, under)),
+        ("--log-dir", train_args(workdir, save, "--logger", "tensorboard", "--log-dir", under)),
+        ("--output", ["generate-data", "--target", target, "--prompts",
+                      str(workdir / "prompts.jsonl"), "--output", under]),
+        ("--out", ["eval", "--target", target, "--prompts", "chat[:1]", "--out", under]),
+        ("OUTPUT", ["export", str(tmp_path / "draft"), under, "--target", target]),
+    ):
+        assert refusal(*run_cli(args)) == (
+            f"Error: {flag} {under} cannot be a directory: {blocker} is a file; choose another "
+            "path."
+        ), flag
+    assert blocker.read_text() == "mine" and not save.exists()
 
 
 # ------------------------------------------------------------------ check / export / eval

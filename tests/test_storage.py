@@ -16,8 +16,8 @@ from hs_connectors.fp8_utils import SCALES_KEY
 from safetensors.torch import load_file
 
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.common import paths as paths_mod
 from speculators_peagle_plugin.data import open_training_data
-from speculators_peagle_plugin.data import storage as storage_mod
 from speculators_peagle_plugin.data.storage import (
     FLOAT8,
     StorageEstimate,
@@ -134,7 +134,7 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_estimate(
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("Error") and "needs about" in last and "1000 B free" in last, last
     assert not out.exists()  # nothing written before the refusal
-    assert storage_mod.shutil is shutil
+    assert paths_mod.shutil is shutil  # the module that asks the disk
 
 
 def test_falls_back_to_transformers_with_one_log_line(

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import UserError
+
 LOCK_FILE = ".lock"
 
 logger = logging.getLogger(__name__)
 
 
-class DirectoryLocked(ValueError):
+class DirectoryLocked(UserError):
     """Another live process holds the directory's lock."""
 
 

@@ -1,7 +1,7 @@
 """Reading files the user hands in: a corrupt one is one sentence naming it, never a traceback.
 
-Every reader raises :class:`UnreadableFile` (a ``ValueError``, which each command already
-turns into its one-line error) with the path and the first line of what went wrong. Pickled
+Every reader raises :class:`UnreadableFile` (a :class:`~.errors.UserError`, which each
+command prints as its one-line error) with the path and the first line of what went wrong. Pickled
 state is read with ``weights_only=True``: tensors and plain containers only, no code runs.
 """
 
@@ -10,19 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import UserError, first_line
 
-class UnreadableFile(ValueError):
+
+class UnreadableFile(UserError):
     """A file that is missing, truncated or not in the format its name promises."""
 
     def __init__(self, path: Path, problem: str):
         super().__init__(f"{path} {problem}")
         self.path = Path(path)
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type name when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def read_json(path: Path, kind: type = dict):

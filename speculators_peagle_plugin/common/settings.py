@@ -17,15 +17,16 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path, PurePath
 from typing import Any, get_args, get_origin, get_type_hints
 
+from .errors import UserError
 from .reading import read_yaml_mapping
 
 
 def fail(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+    raise UserError(f"{name} must be {allowed}, got {value!r}.")
 
 
 def check_int_at_least(name: str, value: object, low: int) -> int:
-    """Return ``value`` if it is an int >= ``low``; else raise a one-sentence ValueError."""
+    """Return ``value`` if it is an int >= ``low``; else raise a one-sentence UserError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         fail(name, value, f"an integer >= {low}")
     return value
@@ -65,7 +66,9 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
     ``meta``: ``flag`` (the long option when it is not ``--key``), ``short``, ``choices``,
     ``multiple`` (repeatable), ``negate`` (a switch that sets the setting to False),
     ``switch`` (a bool given by one switch instead of ``--x/--no-x``), ``show`` (the default
-    as the help shows it; None: not shown; absent: the default itself).
+    as the help shows it; None: not shown; absent: the default itself), ``output`` (a
+    directory the command writes, checked before it starts: True, or the key of the setting
+    without which it is not written).
     """
     metadata = {"help": help, **meta}
     if factory is not None:
@@ -172,7 +175,7 @@ def build(cls, values: Mapping[str, Any], source: str | Path | None = None):
     """``cls`` from flat keys (and section-grouped ones), each checked against its type.
 
     Settings not given keep their defaults. An unknown key or a missing required setting
-    raises ``ValueError`` naming it (and ``source``, the file the values came from).
+    raises :class:`~.errors.UserError` naming it (and ``source``, the file the values came from).
     """
     by_key = {leaf.key: leaf for leaf in leaves(cls)}
     sections = {leaf.path[0] for leaf in by_key.values() if len(leaf.path) > 1}
@@ -185,20 +188,20 @@ def build(cls, values: Mapping[str, Any], source: str | Path | None = None):
                 leaf = by_key.get(sub.replace("-", "_"))
                 if leaf is None or leaf.path[0] != name:
                     known = ", ".join(k for k, other in by_key.items() if other.path[0] == name)
-                    raise ValueError(
+                    raise UserError(
                         f"Unknown key {sub!r} under {name!r}{where}; allowed: {known}."
                     )
                 given[leaf.path] = _coerce(leaf.key, sub_value, leaf.hint)
             continue
         leaf = by_key.get(name)
         if leaf is None:
-            raise ValueError(
+            raise UserError(
                 f"Unknown key {key!r}{where}; allowed: {', '.join(sorted(by_key))}."
             )
         given[leaf.path] = _coerce(leaf.key, value, leaf.hint)
     for leaf in by_key.values():
         if leaf.default is MISSING and leaf.path not in given:
-            raise ValueError(f"{leaf.key} is required ({leaf.flag}).")
+            raise UserError(f"{leaf.key} is required ({leaf.flag}).")
     return _assemble(cls, given, None)
 
 
@@ -217,7 +220,7 @@ def _assemble(cls, given: dict, base):
                 own = {g.name for g in fields(f.metadata["section"])}
                 if name not in own or (name not in keys and not prefix):
                     raise
-                raise ValueError(f"{keys.get(name, prefix + name)} {rest}") from None
+                raise UserError(f"{keys.get(name, prefix + name)} {rest}") from None
         elif (f.name,) in given:
             kwargs[f.name] = given[(f.name,)]
     return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
@@ -261,6 +264,6 @@ class Settings:
         by_key = {leaf.key: leaf for leaf in leaves(type(self))}
         unknown = sorted(set(values) - set(by_key))
         if unknown:
-            raise ValueError(f"Unknown key(s) {', '.join(unknown)} of {type(self).__name__}.")
+            raise UserError(f"Unknown key(s) {', '.join(unknown)} of {type(self).__name__}.")
         given = {by_key[k].path: _coerce(k, v, by_key[k].hint) for k, v in values.items()}
         return _assemble(type(self), given, self)

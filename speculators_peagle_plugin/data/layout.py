@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.errors import UserError
+
 HIDDEN_STATES_DIR = "hidden_states"
 SETTINGS_FILE = "generation_settings.json"
 RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation resume state
@@ -32,7 +34,7 @@ TOKEN_FREQ_FILE = "token_freq.pt"
 VLLM_LOG_FILE = "vllm.log"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Training data that cannot be used as it is; the message names the file or setting."""
 
 

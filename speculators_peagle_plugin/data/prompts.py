@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.files import atomic_write_text
 from .contamination import RULE, HeldOutIndex
 from .prompt_sources import (  # re-exported: the sets' names and files are read here too
@@ -159,7 +160,7 @@ def _conversation(row, where: str) -> list[dict]:
     if isinstance(row, str):
         return [{"role": "user", "content": row}]
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a string or an object, got {type(row).__name__}.")
+        raise UserError(f"{where}: expected a string or an object, got {type(row).__name__}.")
     turns = next(
         (row[k] for k in ("messages", "conversations", "prompt") if isinstance(row.get(k), list)
          and row[k]),
@@ -183,7 +184,7 @@ def _to_answer(row, where: str) -> list[dict]:
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()  # the model writes the reply
     if not messages or messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the conversation has no user turn to answer.")
+        raise UserError(f"{where}: the conversation has no user turn to answer.")
     return messages
 
 
@@ -205,7 +206,7 @@ def _read_conversations(
     if len(parts) == 1:
         return _read_part(spec, to_conversation)
     if not all(parts):
-        raise ValueError(
+        raise UserError(
             f"prompt mix {spec!r} has an empty part; join sets with one '+', e.g. a+b."
         )
     conversations, categories, seen, repeats = [], [], set(), 0
@@ -243,12 +244,12 @@ def _read_part(
     if selection is not None:
         conversations, categories = conversations[selection], categories[selection]
     if not conversations and skipped:
-        raise ValueError(
+        raise UserError(
             f"prompt set {spec!r} holds no usable prompt (rows need messages/conversations "
             "with a user turn, or a prompt string)."
         )
     if not conversations:
-        raise ValueError(f"prompt set {spec!r} is empty; select at least one prompt.")
+        raise UserError(f"prompt set {spec!r} is empty; select at least one prompt.")
     return conversations, categories
 
 
@@ -315,7 +316,7 @@ def read_training_prompts(
             dropped, spec, ", ".join(held_out),
         )
     if not kept:
-        raise ValueError(
+        raise UserError(
             f"every prompt of {spec} copies a held-out evaluation prompt ({', '.join(held_out)}); "
             "train on other prompts, or turn the guard off (--no-contamination-guard) if your "
             "evaluation uses other sets."

@@ -12,13 +12,14 @@ Legend: ``seq`` = tokens of one sample, ``H`` = target hidden size, ``n_aux`` = 
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..common import paths
 from ..common.dtypes import DTYPES
+from ..common.paths import format_bytes
 from .prompts import render_conversation
 
 FLOAT8 = "float8"  # --hidden-states-dtype value of the 8-bit format
@@ -89,28 +90,14 @@ class StorageEstimate:
         )
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def check_free_space(output: Path, estimate: StorageEstimate) -> None:
-    """Raise ``ValueError`` when the disk of ``output`` (or its nearest existing parent)
-    cannot hold what is still to be written."""
-    probe = Path(output).absolute()
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if estimate.needed_bytes > free:
-        raise ValueError(
-            f"--output {output} needs about {format_bytes(estimate.needed_bytes)} for hidden "
-            f"states but its disk has {format_bytes(free)} free; free space, use another "
-            "disk, fewer prompts or --max-new-tokens, or --hidden-states-dtype float8."
-        )
+    """Refuse (:class:`~..common.errors.DiskFull`) an ``output`` whose disk (or its nearest
+    existing parent's) cannot hold what is still to be written."""
+    paths.check_free_space(
+        "--output", output, estimate.needed_bytes, "hidden states",
+        "free space, use another disk, fewer prompts or --max-new-tokens, or "
+        "--hidden-states-dtype float8",
+    )
 
 
 def stored_tensors(hidden_states: torch.Tensor, token_ids: torch.Tensor, storage_dtype: str):

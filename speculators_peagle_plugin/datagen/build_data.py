@@ -12,6 +12,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
 from ..common.lock import LOCK_FILE, exclusive_directory
 from ..common.reading import read_json
@@ -48,13 +49,13 @@ def _settings(config: DataGenConfig, model_config) -> dict:
     layer_ids = config.target_layer_ids or default_target_layer_ids(num_layers)
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad or not layer_ids:
-        raise ValueError(
+        raise UserError(
             f"--target-layer-ids must be integers in [0, {num_layers}) for this "
             f"{num_layers}-layer target, got {list(layer_ids)} (every sample also stores the "
             f"state after the last layer, which train reads as layer {num_layers})."
         )
     if config.draft_vocab_size > text_config.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
             f"size {text_config.vocab_size}."
         )
@@ -80,14 +81,14 @@ def _check_output(output: Path, settings: dict) -> bool:
         for key in IDENTITY_KEYS:
             before = old.get(key, _BEFORE_KEY.get(key))
             if before != settings[key]:
-                raise ValueError(
+                raise UserError(
                     f"--output {output} was made with different settings ({key}: "
                     f"{before!r} there, {settings[key]!r} now); use a new --output "
                     "directory or the original settings to resume."
                 )
         return True
     if any(p.name != LOCK_FILE for p in output.iterdir()):
-        raise ValueError(
+        raise UserError(
             f"--output {output} is not an empty directory and was not made by generate-data "
             f"(no {SETTINGS_FILE}); choose a new or empty directory."
         )
@@ -106,7 +107,7 @@ def _write_dataset(rows: list[dict], output: Path, tokenizer) -> None:
     longest = max(len(r["input_ids"]) for r in rows)
     dataset = build_speculator_training_dataset(raw, tokenizer, max_length=longest, num_proc=1)
     if len(dataset) == 0:
-        raise ValueError("No regenerated conversation has a supervised token; nothing to write.")
+        raise UserError("No regenerated conversation has a supervised token; nothing to write.")
     # The dataset's files join settings and resume state in ``output``, so they are moved in
     # one by one rather than as one directory.
     staging = temporary_name(output / "dataset")
@@ -167,7 +168,7 @@ def _output_of(config: DataGenConfig):
     output = Path(config.output)
     settings = _settings(config, AutoConfig.from_pretrained(config.target))
     if output.is_file():
-        raise ValueError(f"--output {output} is a file; choose a new or empty directory.")
+        raise UserError(f"--output {output} is a file; choose a new or empty directory.")
     with exclusive_directory(output, "generate-data"):
         _check_output(output, settings)
         prompts, settings["contamination"] = read_training_prompts(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..common.devices import checked_device
 from ..common.dtypes import DTYPE_NAMES
+from ..common.errors import UserError
 from ..common.settings import (
     Settings,
     check_choices,
@@ -74,16 +75,16 @@ class ReplyConfig:
         for name in ("max_new_tokens", "batch_size", "num_samples"):
             check_int_at_least(name, getattr(self, name), 1)
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
-            raise ValueError(
+            raise UserError(
                 f"temperature {self.temperature} is above vLLM's limit; with --backend vllm "
                 f"it must be in [0, {VLLM_MAX_TEMPERATURE}]."
             )
         if self.num_samples > 1 and self.temperature == 0:
-            raise ValueError(
+            raise UserError(
                 f"num_samples {self.num_samples} needs temperature > 0: greedy replies to the "
                 "same prompt are identical."
             )
@@ -135,7 +136,7 @@ class DataGenConfig(Settings):
         "optionally sliced like chat[100:]; a mix joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
     )
-    output: str = setting(help="Output directory (resumed if it exists).", show=None)
+    output: str = setting(help="Output directory (resumed if it exists).", show=None, output=True)
     replies: ReplyConfig = section(ReplyConfig)
     hidden_states_from: str | None = setting(
         None,
@@ -191,15 +192,15 @@ class DataGenConfig(Settings):
         check_optional_ints(self, {"kv_cache_gb": 1, "max_samples": 1})
         check_int_at_least("seed", self.seed, 0)
         if self.hidden_states_from == "generation" and self.replies.backend != "vllm":
-            raise ValueError(
+            raise UserError(
                 "hidden_states_from generation records the states in the replies' vLLM "
                 f"engine, so it needs backend vllm, got backend {self.replies.backend!r}."
             )
         checked_device(self.device)
         if not (Path(self.target) / "config.json").is_file():
-            raise ValueError(
+            raise UserError(
                 f"--target {self.target} is not a local transformers model directory "
                 "(no config.json)."
             )
         if not prompt_source_exists(self.prompts):
-            raise ValueError(f"--prompts {self.prompts} does not exist.")
+            raise UserError(f"--prompts {self.prompts} does not exist.")

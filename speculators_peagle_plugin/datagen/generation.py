@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..common.dtypes import DTYPES
+from ..common.errors import UserError
 from ..common.files import atomic_write_json
 from ..data.layout import RESPONSES_DIR, VLLM_LOG_FILE, mix_seed
 from ..data.prompts import render_conversation
@@ -43,10 +44,10 @@ class Target:
             check_parallel_size(config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target)
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"The tokenizer of --target {config.target} has no chat template.")
+            raise UserError(f"The tokenizer of --target {config.target} has no chat template.")
         self.eos_ids = eos_token_ids(self.tokenizer, _generation_config(config.target))
         if not self.eos_ids:
-            raise ValueError(f"--target {config.target} defines no end-of-sequence token.")
+            raise UserError(f"--target {config.target} defines no end-of-sequence token.")
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.eos_ids[0] if pad is None else pad
         self.vllm = None  # a running VllmWorker while the vllm backend generates

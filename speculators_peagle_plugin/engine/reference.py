@@ -38,6 +38,7 @@ import torch
 from speculators.models.peagle.config import PEagleSpeculatorConfig
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+from ..common.errors import UserError
 from ..model.peagle_draft import PEagleDraftModel
 from ..model.target import FinalNormInput, eos_token_ids
 from .counters import SpecDecodeCounters
@@ -134,7 +135,7 @@ class ReferenceRuntime:
         layer_ids: list[int] = []
         if draft_dir is not None:
             if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
-                raise ValueError(
+                raise UserError(
                     "num_speculative_tokens must be an integer >= 1 with a draft, "
                     f"got {num_speculative_tokens!r}."
                 )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common.errors import OneSentenceError
 from .engine_start import (
     POINTER,
     POINTER_SENTENCE,
@@ -51,7 +52,7 @@ class WorkerExtension:
     spec: dict = field(default_factory=dict)
 
 
-class EngineError(RuntimeError):
+class EngineError(OneSentenceError, RuntimeError):
     """A vLLM engine that could not start or run a job; the message is one sentence with
     the cause, the worker's log and what to try."""
 

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..common.dtypes import DTYPE_NAMES
+from ..common.errors import UserError
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
 from ..serving.model_card import model_id
@@ -90,12 +91,12 @@ class SweepConfig:
         for name in ("max_new_tokens", "prompts_per_slot"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+                raise UserError(f"{name} must be an integer >= 1, got {value!r}.")
         for name, values in (("K", self.ks), ("concurrency", self.concurrency)):
             if not values or not all(map(_positive_int, values)):
-                raise ValueError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
+                raise UserError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
         if not self.prompt_sets:
-            raise ValueError("give at least one prompt set.")
+            raise UserError("give at least one prompt set.")
 
 
 @dataclass
@@ -150,6 +151,7 @@ class EvalConfig(Settings):
         factory=lambda: f"runs/eval-{_stamp()}",
         flag="--out",
         show="runs/eval-<UTC time>",
+        output=True,
     )
     seed: int = 0  # the engine's seed; not a flag
     kv_cache_gb: int | None = _opt(
@@ -191,42 +193,42 @@ class EvalConfig(Settings):
         if self.servers:
             self._check_server_mode()
         elif self.labels:
-            raise ValueError("--label names a --server: give the servers' URLs with --server.")
+            raise UserError("--label names a --server: give the servers' URLs with --server.")
         if self.kv_cache_gb is not None and not _positive_int(self.kv_cache_gb):
-            raise ValueError(f"kv_cache_gb must be an integer >= 1, got {self.kv_cache_gb!r}.")
+            raise UserError(f"kv_cache_gb must be an integer >= 1, got {self.kv_cache_gb!r}.")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+            raise UserError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}.")
+            raise UserError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}.")
         if not self.drafts and not self.baseline:
-            raise ValueError("nothing to evaluate: give a draft or keep the baseline run.")
+            raise UserError("nothing to evaluate: give a draft or keep the baseline run.")
         if not (Path(self.target) / "config.json").is_file():
-            raise ValueError(
+            raise UserError(
                 f"target {self.target!r} is not a local model directory (no config.json)."
             )
         if self.base_model is not None and model_id(self.base_model) is None:
-            raise ValueError(
+            raise UserError(
                 f"--base-model must be a hub model id such as owner/name (a model card names "
                 f"no local path), got {self.base_model!r}."
             )
         for draft in self.drafts:
             if not Path(draft).is_dir():
-                raise ValueError(f"draft checkpoint {draft!r} is not a directory.")
+                raise UserError(f"draft checkpoint {draft!r} is not a directory.")
 
     def _check_server_mode(self) -> None:
         """One --label per server, and none of the settings a server has of its own."""
         if self.labels and len(self.labels) != len(self.servers):
-            raise ValueError(
+            raise UserError(
                 f"give one --label per --server, in the same order ({len(self.servers)} "
                 f"server(s), {len(self.labels)} label(s))."
             )
         if len(set(self.labels)) < len(self.labels):
-            raise ValueError(f"each --label must name one server, got {list(self.labels)!r}.")
+            raise UserError(f"each --label must name one server, got {list(self.labels)!r}.")
         values = flatten(self)
         given = [leaf.field.metadata.get("short") or leaf.flag for leaf in leaves(type(self))
                  if leaf.key in ENGINE_KEYS and values[leaf.key] != leaf.default]
         if given:
-            raise ValueError(
+            raise UserError(
                 f"{', '.join(given)} cannot be used with --server: each server decodes with "
                 "its own draft, K and engine settings (start one `vllm serve` per draft and K "
                 "and give each URL to --server)."

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..common.dtypes import DTYPES
+from ..common.errors import UserError
 from ..data.prompts import load_prompt_set, render_prompts
 from ..engine.counters import SpecDecodeCounters
 from ..engine.reference import ReferenceRuntime, stop_token_ids
@@ -92,7 +93,7 @@ def _check_drafts(config: EvalConfig, echo) -> dict[str, list[dict]]:
         errors = [f for f in findings if f.severity == "error"]
         if errors:
             first, more = errors[0], len(errors) - 1
-            raise ValueError(
+            raise UserError(
                 f"draft {draft!r} fails the checkpoint check: [{first.code}] {first.message} "
                 f"Fix: {first.fix}"
                 + (f" ({more} more: run speculators-peagle check {draft})" if more else "")

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..common.errors import UserError
 from ..engine.counters import SpecDecodeCounters
 from .eval_config import SweepConfig
 from .report import cell_tag, progress_callback, run_entry
@@ -46,7 +47,7 @@ __all__ = ["Server", "ServerError", "probe_server", "probe_servers", "run_server
 TIMEOUT_S = 600.0  # one request, streamed: long enough for a slow CPU server's longest reply
 
 
-class ServerError(ValueError):
+class ServerError(UserError):
     """A server that cannot be measured, in one sentence."""
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..common.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,7 +66,7 @@ def load_algorithm(name: str):
     """Load the algorithm ``name``; an unknown name raises ``ValueError`` listing the known."""
     found = discover_algorithms()
     if name not in found:
-        raise ValueError(
+        raise UserError(
             f"Unknown algorithm {name!r}; installed: {', '.join(sorted(found)) or 'none'}."
         )
     return found[name].load()

@@ -7,7 +7,6 @@ A checkpoint holds the draft in speculators format (``save_pretrained``: ``confi
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 from dataclasses import dataclass
@@ -18,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..common.errors import UserError
 from ..common.files import atomic_directory
+from ..common.paths import check_free_space, writing
 from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
 from ..common.settings import check_finite, check_int_at_least, check_optional_ints, setting
 from ..data.layout import SETTINGS_FILE
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from .train_config import TrainConfig
 
 CHECKPOINT_PREFIX = "checkpoint-"
+RESUME_ADVICE = (
+    "free some space or choose another --save-path, then run the same command again to resume"
+)
 STATE_FILE = "training_state.pt"
 # Fields that may change between a run and its resumption; any other change is refused.
 RESUMABLE_CHANGES = frozenset(
@@ -49,7 +53,9 @@ logger = logging.getLogger(__name__)
 class TrainerConfig:
     """The ``trainer`` section: how long to train, where checkpoints go, what to resume."""
 
-    save_path: str = setting("./checkpoints", "Directory for checkpoints and the metrics log.")
+    save_path: str = setting(
+        "./checkpoints", "Directory for checkpoints and the metrics log.", output=True
+    )
     epochs: int = setting(20, "Passes over the data.")
     max_steps: int | None = setting(None, "Stop after this many optimizer steps.")
     checkpoint_freq: float = setting(
@@ -77,7 +83,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if Path(self.save_path).is_file():
-            raise ValueError(
+            raise UserError(
                 f"--save-path {self.save_path} is a file, not a directory; choose a new or "
                 "empty directory, or the save path of the run to resume."
             )
@@ -133,6 +139,23 @@ def _nbytes(state) -> int:
     return 0
 
 
+def checkpoint_bytes(draft: nn.Module) -> int:
+    """About what one checkpoint takes on disk: the weights, and two optimizer moments per
+    trainable weight (AdamW's; Muon keeps one). Example: 10M bfloat16 weights -> 60 MB."""
+    weights = sum(p.numel() * p.element_size() for p in draft.parameters())
+    moments = sum(2 * p.numel() * p.element_size() for p in draft.parameters() if p.requires_grad)
+    return weights + moments
+
+
+def check_checkpoint_space(save_path: Path, draft: nn.Module) -> None:
+    """Refuse, before the first step, a ``--save-path`` whose disk cannot hold a checkpoint
+    (the next one is written before the oldest kept one is removed)."""
+    check_free_space(
+        "--save-path", save_path, checkpoint_bytes(draft), "a checkpoint",
+        "free some space or choose another --save-path",
+    )
+
+
 def save_checkpoint(
     save_path: Path,
     step: int,
@@ -147,34 +170,25 @@ def save_checkpoint(
     """Write ``checkpoint-<step>`` atomically (complete, or not there); keep the newest few.
 
     Every rank takes part in gathering a sharded state; rank 0 writes. A write that fails
-    for lack of space leaves nothing behind and raises ``ValueError`` saying what it needed.
+    for lack of space leaves nothing behind (the older checkpoints stay) and raises
+    :class:`~..common.errors.DiskFull` saying what it needed.
     """
     model_state = _model_state(wrapped, draft, config, world)
     optim_state = _optim_state(wrapped, optimizer, config, world)
     final = save_path / f"{CHECKPOINT_PREFIX}{step}"
     if world.rank == 0:
-        try:
-            with atomic_directory(final) as tmp:
-                draft.save_pretrained(tmp, state_dict=model_state)
-                write_model_card(tmp, _how_it_was_made(config, step), location=final)
-                state = {
-                    "step": step,
-                    "optimizer": optim_state,
-                    "scheduler": scheduler.state_dict(),
-                    "config": config.to_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                }
-                torch.save(state, tmp / STATE_FILE)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            need = _nbytes(model_state) + _nbytes(optim_state)
-            free = shutil.disk_usage(save_path).free
-            raise ValueError(
-                f"Writing {final} failed, no space left on the device: a checkpoint needs about "
-                f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; free some space "
-                "or choose another --save-path, then run the same command again to resume."
-            ) from None
+        need = _nbytes(model_state) + _nbytes(optim_state)
+        with writing(final, "a checkpoint", need, RESUME_ADVICE), atomic_directory(final) as tmp:
+            draft.save_pretrained(tmp, state_dict=model_state)
+            write_model_card(tmp, _how_it_was_made(config, step), location=final)
+            state = {
+                "step": step,
+                "optimizer": optim_state,
+                "scheduler": scheduler.state_dict(),
+                "config": config.to_dict(),
+                "torch_rng": torch.get_rng_state(),
+            }
+            torch.save(state, tmp / STATE_FILE)
         for old in checkpoint_dirs(save_path)[: -config.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
@@ -212,7 +226,7 @@ def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
     if config.resume:
         path = Path(config.resume)
         if not (path / STATE_FILE).exists():
-            raise ValueError(f"--resume {path} is not a checkpoint (no {STATE_FILE} in it).")
+            raise UserError(f"--resume {path} is not a checkpoint (no {STATE_FILE} in it).")
         return read_checkpoint(path)
     if config.no_resume_from_checkpoint:
         return None
@@ -224,7 +238,7 @@ def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
             logger.warning("not resuming from %s: %s", path.name, exc)
             damaged.append(exc)
     if damaged:  # starting over would silently replace them: the user decides
-        raise ValueError(
+        raise UserError(
             f"No checkpoint in {save_path} loads (newest: {damaged[0]}); remove the damaged "
             "checkpoints, or pass --no-resume-from-checkpoint to start over."
         )
@@ -264,7 +278,7 @@ def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
         if k not in RESUMABLE_CHANGES and _comparable(k, current.get(k)) != _comparable(k, v)
     )
     if changed:
-        raise ValueError(
+        raise UserError(
             f"Cannot resume from {point.path}: it was trained with different "
             f"{', '.join(changed)}; to resume, run with the settings it was trained with "
             "(to start over instead, use a new --save-path)."

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..common.devices import checked_device
 from ..common.dtypes import DTYPE_NAMES
+from ..common.errors import UserError
 from ..common.settings import check_choices, setting
 
 
@@ -34,7 +35,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         if self.autocast != "none" and self.dtype != "float32":
-            raise ValueError(
+            raise UserError(
                 f"autocast {self.autocast} keeps float32 weights: it needs dtype float32, "
                 f"got {self.dtype}."
             )

@@ -28,13 +28,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common.errors import UserError, memory_for
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
 from ..common.reading import read_json
 from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
 from ..model.mask_token import choose_mask_token_id, mask_token_problem
 from .algorithm import load_algorithm
-from .checkpoint import ResumePoint, load_checkpoint, resume_point, save_checkpoint
+from .checkpoint import (
+    ResumePoint,
+    check_checkpoint_space,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+)
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
 from .optim import build_optimizer, build_scheduler
@@ -93,7 +100,7 @@ def _resolve_mask_token(
     mask, reason = (given, "given with --mask-token-id") if given is not None else kept
     problem = mask_token_problem(tokenizer, mask, vocab_size)
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     return mask, reason
 
 
@@ -110,7 +117,7 @@ def _kept_mask_token(config: TrainConfig, pretrained, resume) -> tuple[int, str]
         return None
     kept, given = pretrained.config.mask_token_id, config.draft.mask_token_id
     if given is not None and given != kept:
-        raise ValueError(
+        raise UserError(
             f"--mask-token-id {given} differs from the mask token {kept} that --from-pretrained "
             f"{config.draft.from_pretrained} was trained with; pass {kept} or leave it out."
         )
@@ -138,7 +145,7 @@ def _verifier_config(config: TrainConfig):
 
     verifier = Path(config.verifier.verifier_name_or_path)
     if not (verifier / "config.json").exists():
-        raise ValueError(
+        raise UserError(
             f"--verifier-name-or-path {verifier} is not a local transformers model directory "
             "(no config.json); the hub is not used."
         )
@@ -157,7 +164,7 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
     if data.settings is not None:
         return layer_ids
     if len(layer_ids) != data.num_aux_layers:
-        raise ValueError(
+        raise UserError(
             f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
             f"{config.data.data_path} holds {data.num_aux_layers} aux hidden states per token."
         )
@@ -188,7 +195,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     verifier_config = _verifier_config(config)
     vocab, draft_vocab = verifier_config.vocab_size, config.draft.draft_vocab_size
     if draft_vocab > vocab:
-        raise ValueError(
+        raise UserError(
             f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
         )
     resume = None if save_path is None else resume_point(config, save_path, world)
@@ -248,7 +255,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
     )
     if len(batches) == 0:
-        raise ValueError(
+        raise UserError(
             f"{config.data.data_path} gives no training step for {world.size} rank(s); "
             "it needs at least one training sample per rank."
         )
@@ -291,6 +298,8 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     setup = build_training(config, save_path)
     world, draft, module = setup.world, setup.draft, setup.module
     if world.rank == 0:
+        check_checkpoint_space(save_path, draft)
+    if world.rank == 0:
         logger.info("mask_token_id %d: %s", setup.mask_token_id, setup.mask_token_reason)
     start = 0
     saved = None
@@ -320,6 +329,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     run_began = time.perf_counter()
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
     with (
+        bar,  # closed however the loop ends, so an error starts on a line of its own
         StopFlag() as stop,
         RowsAhead(setup.batches, setup.total_steps, ahead=online is None) as rows,
         Trackers(config.logging, world.rank, hparams=config.to_dict()) as trackers,
@@ -328,14 +338,15 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             began = time.perf_counter()
             epoch = step // steps_per_epoch
             row, waited = rows.get(step)
-            batch = to_device(row, world.device, dtype)
-            setup.optimizer.zero_grad(set_to_none=True)
-            stats = train_step(setup.wrapped, module, batch, config, world, step)
-            grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
-            tokens = float((batch["document_ids"] >= 0).sum())
-            record = reduce_record(stats, tokens, stop.signum, world)
-            check_finite(record["loss"], grad_norm, step + 1, saved)
-            setup.optimizer.step()
+            with memory_for(row["input_ids"].shape[-1]):
+                batch = to_device(row, world.device, dtype)
+                setup.optimizer.zero_grad(set_to_none=True)
+                stats = train_step(setup.wrapped, module, batch, config, world, step)
+                grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
+                tokens = float((batch["document_ids"] >= 0).sum())
+                record = reduce_record(stats, tokens, stop.signum, world)
+                check_finite(record["loss"], grad_norm, step + 1, saved)
+                setup.optimizer.step()
             setup.scheduler.step()
             now = time.perf_counter()
             record.update(
@@ -371,5 +382,5 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if validation is not None and validation.keeps_best and validation.best is not None:
         return validation.best_dir
     if saved is None:  # resumed from a finished run: nothing left to do
-        raise ValueError(f"{save_path} holds no checkpoint to return.")
+        raise UserError(f"{save_path} holds no checkpoint to return.")
     return saved

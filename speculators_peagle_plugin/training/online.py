@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..common.dtypes import DTYPE_NAMES
+from ..common.errors import UserError
 from ..common.reading import read_json
 from ..common.settings import check_choices, fail, section, setting
 from ..data import TrainingData, default_target_layer_ids, open_training_data
@@ -78,15 +79,15 @@ class OnlineConfig:
         check_choices(self)
         if self.prompts is not None:
             if not self.online:
-                raise ValueError(
+                raise UserError(
                     "--prompts needs --online (offline training reads --data-path, made by "
                     "generate-data)."
                 )
             if not prompt_source_exists(self.prompts):
-                raise ValueError(f"--prompts {self.prompts} does not exist.")
+                raise UserError(f"--prompts {self.prompts} does not exist.")
         for key, needs in self._unused():
             flag = key.replace("_", "-")
-            raise ValueError(f"--{flag} is used only with --{needs}; drop it or add --{needs}.")
+            raise UserError(f"--{flag} is used only with --{needs}; drop it or add --{needs}.")
         size = self.online_cache_gib
         if not (isinstance(size, int | float) and math.isfinite(size) and size > 0):
             fail("online_cache_gib", size, "a finite number > 0")
@@ -122,7 +123,7 @@ def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
     recorded = read_json(settings).get("target_layer_ids") if settings.is_file() else None
     layer_ids = tuple(config.draft.target_layer_ids or recorded or default_target_layer_ids(n))
     if not all(0 <= i <= n for i in layer_ids):
-        raise ValueError(
+        raise UserError(
             f"--target-layer-ids must be integers in [0, {n}] for this {n}-layer target, "
             f"got {list(layer_ids)}."
         )

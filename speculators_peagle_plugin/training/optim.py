@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.errors import UserError
 from ..common.settings import check_choices, check_finite, check_optional_ints, fail, setting
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def build_scheduler(optimizer, config: SchedulerConfig, total_steps: int):
 
     warmup = warmup_steps(config, total_steps)
     if warmup > total_steps:
-        raise ValueError(
+        raise UserError(
             f"scheduler_warmup_steps {warmup} is more than the run's {total_steps} steps: the "
             "learning rate would never reach lr; use at most that many warmup steps."
         )

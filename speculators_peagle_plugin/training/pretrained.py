@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common.errors import UserError
 from ..common.reading import first_line, read_json
 
 logger = logging.getLogger(__name__)
@@ -37,24 +38,24 @@ def load_pretrained_draft(path: str | Path, verifier_dir: str | Path) -> nn.Modu
     path = Path(path)
     flag = f"--from-pretrained {path}"
     if not (path / "config.json").is_file():
-        raise ValueError(
+        raise UserError(
             f"{flag} is not a draft directory (no config.json); give a checkpoint directory "
             "(ours, or speculators' save_pretrained output) on this machine."
         )
     kind = read_json(path / "config.json").get("speculators_model_type")
     if kind != "peagle":
-        raise ValueError(
+        raise UserError(
             f"{flag} is a {kind or 'non-speculators'} draft (speculators_model_type "
             f"{kind!r}); only a P-EAGLE draft (peagle) can start a P-EAGLE run."
         )
     if not any(path.glob("*.safetensors")):
-        raise ValueError(
+        raise UserError(
             f"{flag} holds no weights (*.safetensors), only a config; give a trained draft."
         )
     try:
         return load_reference_draft(path, verifier_dir)
     except Exception as exc:  # noqa: BLE001 - transformers/safetensors raise their own types
-        raise ValueError(f"{flag} does not load as a P-EAGLE draft ({first_line(exc)}).") from None
+        raise UserError(f"{flag} does not load as a P-EAGLE draft ({first_line(exc)}).") from None
 
 
 def check_pretrained_fits(
@@ -87,7 +88,7 @@ def check_pretrained_fits(
     differ = [f"its {what} {theirs}, this run's {ours} ({flag})"
               for what, theirs, ours, flag in facts if theirs != ours]
     if differ:
-        raise ValueError(
+        raise UserError(
             f"--from-pretrained {path} does not fit this run: {'; '.join(differ)}; give the "
             "settings it was trained with, or start from another draft."
         )
@@ -103,7 +104,7 @@ def copy_pretrained_weights(pretrained: nn.Module, draft: nn.Module, path: str |
     for name in sorted(theirs.keys() | ours.keys()):
         mine, other = ours.get(name), theirs.get(name)
         if mine is None or other is None or mine.shape != other.shape:
-            raise ValueError(
+            raise UserError(
                 f"--from-pretrained {path} does not fit the draft this run builds: its {name} "
                 f"is {_shape(other)}, this run's {_shape(mine)}; give the draft settings "
                 "(--num-key-value-heads, --draft-arch, ...) it was trained with."

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from ..common.errors import UserError
 from ..common.files import METRICS_FILE as METRICS_FILE  # the loop and tests read it here
 from ..common.files import atomic_write_text
+from ..common.paths import writing
 from ..common.settings import check_int_at_least, fail, setting
 from .distributed import World
 from .metrics import acceptance_length, depth_accuracy, pooled_accuracy
@@ -31,7 +33,9 @@ class LoggingConfig:
         "", "Metric trackers as well as SAVE/metrics.jsonl, comma-separated: tensorboard, "
         "wandb, trackio, mlflow (speculators' loggers; each needs its package).", show=None,
     )
-    log_dir: str = setting("./logs", "Directory of the trackers' files (RUN_NAME under it).")
+    log_dir: str = setting(
+        "./logs", "Directory of the trackers' files (RUN_NAME under it).", output="logger"
+    )
     run_name: str | None = setting(
         None, "The trackers' run name; {time}, {utc_time}, {rank}, {local_rank} are filled "
         "in.", show="the start time",
@@ -101,7 +105,7 @@ def check_finite(loss: float, grad_norm: float, step: int, last_saved: Path | No
     kept = "no checkpoint was saved"
     if last_saved:
         kept = f"the newest checkpoint is still {last_saved}"
-    raise ValueError(
+    raise UserError(
         f"Training diverged at step {step}: {what}, so it stopped before applying it ({kept}); "
         "lower --lr or keep --max-grad-norm on."
     )
@@ -153,9 +157,11 @@ def format_postfix(record: dict) -> dict:
 
 
 def append_record(path: Path, record: dict) -> None:
-    """One JSON line per logged step."""
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    """One JSON line per logged step; a full disk is one sentence (a resumed run drops a
+    line cut short, :func:`trim_metrics_log`)."""
+    line = json.dumps(record) + "\n"
+    with writing(path, "a metrics line", len(line)), open(path, "a") as fh:
+        fh.write(line)
 
 
 def trim_metrics_log(path: Path, after_step: int) -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 from speculators.train.config.schema import TrainConfig as SpeculatorsTrainConfig
 
+from ..common.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SPECULATORS_KEYS", "Answer", "from_speculators", "render_table"]
@@ -232,7 +234,7 @@ def _apply(name: str, value, out: dict, where: str) -> None:
     if answer.accepted is not None and value not in answer.accepted:
         shown = [str(v) for v in answer.accepted if v not in (None, "")]
         instead = f" or give {' or '.join(shown)}" if shown else ""
-        raise ValueError(
+        raise UserError(
             f"speculators key {name}: {value!r}{where} is not taken here ({answer.note}); "
             f"leave it out{instead}."
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 
+from ..common.errors import UserError
+from ..common.paths import writing
 from .progress import TRACKER_PACKAGES, LoggingConfig
 
 __all__ = ["Trackers", "check_trackers_installed"]
@@ -24,7 +26,7 @@ def check_trackers_installed(config: LoggingConfig) -> None:
     for name in config.trackers:
         package = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(package) is None:
-            raise ValueError(
+            raise UserError(
                 f"--logger {name} needs the {package} package, which is not installed "
                 f"(pip install {package}), or leave {name} out of --logger."
             )
@@ -60,14 +62,20 @@ class Trackers:
 
     def log(self, record: dict, step: int, prefix: str = "train") -> None:
         if self.names:
-            self.logger.info(tracker_metrics(record, prefix), extra={"step": step})
+            with writing(self.config.log_dir, "the trackers' records"):
+                self.logger.info(tracker_metrics(record, prefix), extra={"step": step})
 
     def __exit__(self, *exc) -> None:
         """Flush and close every handler (the event files are complete after the run)."""
         if not self.names:
             return
-        for handler in list(self.logger.handlers):
-            handler.flush()
-            handler.close()
-            self.logger.removeHandler(handler)
-        self.logger.propagate = True
+        try:
+            if exc[0] is None:  # the run's own error, if any, is the one to report
+                with writing(self.config.log_dir, "the trackers' records"):
+                    for handler in self.logger.handlers:
+                        handler.flush()
+        finally:
+            for handler in list(self.logger.handlers):
+                handler.close()
+                self.logger.removeHandler(handler)
+            self.logger.propagate = True

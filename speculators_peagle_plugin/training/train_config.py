@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.settings import Settings, fail, section, setting
 from ..core.peagle_config import PEagleConfig
 from ..data.packing import DataConfig
@@ -72,40 +73,40 @@ class TrainConfig(Settings):
     def __post_init__(self) -> None:
         if not self.verifier.verifier_name_or_path:
             runs = " (--online runs the target inside training)" if self.online.online else ""
-            raise ValueError(f"verifier_name_or_path is required (--verifier-name-or-path){runs}.")
+            raise UserError(f"verifier_name_or_path is required (--verifier-name-or-path){runs}.")
         if self.online.prompts is not None and self.data.data_path:
-            raise ValueError("Pass one of --data-path or --prompts, not both.")
+            raise UserError("Pass one of --data-path or --prompts, not both.")
         if self.online.prompts is None and not self.data.data_path:
             instead = "; with --online, --prompts can stand in for it" if self.online.online else ""
-            raise ValueError(f"data_path is required (--data-path){instead}.")
+            raise UserError(f"data_path is required (--data-path){instead}.")
         served, depths = self.draft.num_speculative_tokens, self.peagle.num_depths
         if served is not None and served > depths:
             fail("num_speculative_tokens", served, f"an integer in [1, num_depths={depths}]")
         warmup, steps = self.scheduler.scheduler_warmup_steps, self.trainer.max_steps
         if warmup is not None and steps is not None and warmup > steps:
-            raise ValueError(
+            raise UserError(
                 f"scheduler_warmup_steps {warmup} is more than max_steps {steps}: the "
                 "learning rate would never reach lr; use at most max_steps warmup steps."
             )
         data, ratio = self.data, self.data.train_data_ratio
         if ratio < 1 and data.validation_data_path:
-            raise ValueError(
+            raise UserError(
                 f"train_data_ratio {ratio:g} holds rows of data_path out for validation, "
                 "and validation_data_path gives validation data too; use one of them "
                 "(train_data_ratio 1 with validation_data_path)."
             )
         if ratio < 1 and self.online.online:
-            raise ValueError(
+            raise UserError(
                 f"train_data_ratio {ratio:g} needs offline data (hidden states on disk) to "
                 "score its held-out rows; with --online, give validation_data_path instead."
             )
         needs = "validation_data_path or a train_data_ratio below 1"
         if self.trainer.early_stop_patience is not None and not self.validating:
-            raise ValueError(
+            raise UserError(
                 f"early_stop_patience needs {needs}: held-out data to score each checkpoint on."
             )
         if self.trainer.save_best and not self.validating:
-            raise ValueError(
+            raise UserError(
                 f"save_best needs {needs} (speculators' default is 0.9, ours 1: no split): "
                 "held-out data to rank the checkpoints by."
             )
