@@ -2,6 +2,7 @@
 sets it reads: built-in sets, held-out slices, JSONL row formats, the chat template."""
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
+from speculators_peagle_plugin.serving.model_card import read_card, write_model_card
 
 K = 3
 
@@ -40,7 +42,9 @@ def test_draft_without_mask_hidden_fails_with_the_linter_sentence(trained, tmp_p
 
 
 def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, tmp_path):
-    target, draft, _ = trained
+    target, trained_draft, _ = trained
+    draft = shutil.copytree(trained_draft, tmp_path / "draft")
+    write_model_card(draft, {"steps": 60})
     argv = [
         "eval", "--target", str(target), "--draft", str(draft), "--prompts", "chat[:2]",
         "-k", str(K + 1), "--max-new-tokens", "8", "--backend", "reference",
@@ -52,6 +56,15 @@ def test_k_past_the_trained_depth_warns_and_the_reference_backend_runs(trained, 
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert [r["k"] for r in record["runs"]] == [0, K + 1]
     assert record["runs"][1]["backend"] == "reference"
+    (entry,) = read_card(draft)[0]["peagle_eval"]  # the draft's card holds what eval measured
+    assert entry["prompts"] == "chat[:2]" and entry["prompt_count"] == 2
+    assert entry["settings"] == {"k": K + 1, "concurrency": 1, "max_new_tokens": 8,
+                                 "enforce_eager": False, "backend": "reference",
+                                 "ignore_eos": False, "dtype": "float32"}
+    assert entry["acceptance_length"] == pytest.approx(record["runs"][1]["acceptance_length"],
+                                                       abs=1e-4)
+    card = (draft / "README.md").read_text()
+    assert str(tmp_path) not in card and str(target) not in card
 
 
 @pytest.mark.parametrize(
