@@ -10,6 +10,7 @@ from tiny import tiny_workdir
 
 from speculators_peagle_plugin import cli
 from speculators_peagle_plugin.common.errors import TRACEBACK_ENV, UserError, one_sentence
+from speculators_peagle_plugin.common.reading import UnreadableFile, opening
 from speculators_peagle_plugin.training import loop
 from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
 
@@ -82,6 +83,9 @@ def test_a_missing_user_file_is_bad_input_but_an_oserror_elsewhere_is_a_bug(
 ):
     line = refusal(*run_cli(["train", "--config", str(tmp_path / "missing.yaml")]))
     assert str(tmp_path / "missing.yaml") in line
+    with pytest.raises(UnreadableFile, match="missing.jsonl cannot be read"):
+        with opening(tmp_path / "missing.jsonl"):
+            open(tmp_path / "missing.jsonl")
     monkeypatch.setattr(cli, "run_training", lambda config: open(tmp_path / "no" / "file"))
     result = CliRunner().invoke(cli.main, train_args(workdir, tmp_path / "save"))
     assert result.exit_code == 1 and "FileNotFoundError" in result.output

@@ -8,6 +8,8 @@ state is read with ``weights_only=True``: tensors and plain containers only, no 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError, first_line
@@ -19,6 +21,16 @@ class UnreadableFile(UserError):
     def __init__(self, path: Path, problem: str):
         super().__init__(f"{path} {problem}")
         self.path = Path(path)
+
+
+@contextmanager
+def opening(path: Path) -> Iterator[None]:
+    """Read a file the user named: an ``OSError`` (gone, a directory, no permission) is
+    :class:`UnreadableFile` naming it. Only around a user's path: elsewhere it is a bug."""
+    try:
+        yield
+    except OSError as exc:
+        raise UnreadableFile(path, f"cannot be read ({exc.strerror or first_line(exc)}).") from None
 
 
 def read_json(path: Path, kind: type = dict):

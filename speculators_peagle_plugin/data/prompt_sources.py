@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..common.errors import UserError
+from ..common.reading import opening
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,8 @@ def source_rows(source: str) -> tuple[list, str]:
             f"prompt set {source!r} is neither one of {BUILTIN_SOURCES} nor an existing .jsonl "
             "file."
         )
-    return read_jsonl(path), str(path)
+    with opening(path):
+        return read_jsonl(path), str(path)
 
 
 def humaneval_problems() -> list[str]:
