@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..common.errors import UserError
 from ..common.files import atomic_directory
 from ..common.reading import read_json
 from ..common.settings import setting
@@ -75,13 +76,14 @@ def export_checkpoint(
     Returns:
         ``(fixed, remaining)``: the findings fixed, and the warnings left in the copy.
 
-    Raises ``ValueError`` (nothing written) if an error remains that needs more than a
-    mechanical fix, ``out_dir`` exists, or one of the two directories is inside the other.
+    Raises :class:`~..common.errors.UserError` (a ``ValueError``; nothing written) if an
+    error remains that needs more than a mechanical fix, ``out_dir`` exists, or one of the
+    two directories is inside the other.
     """
     out_dir = Path(out_dir)
     _refuse_overlap(Path(draft_dir), out_dir)
     if out_dir.exists():
-        raise ValueError(f"{str(out_dir)!r} already exists; export writes a new directory.")
+        raise UserError(f"{str(out_dir)!r} already exists; export writes a new directory.")
     ckpt = DraftCheckpoint.read(draft_dir)
     target = resolve_target(ckpt, target_dir)
     device = device or default_device()
@@ -97,7 +99,7 @@ def export_checkpoint(
         after = run_rules(DraftCheckpoint.read(tmp), target, None, device, scan_values=True)
         errors = [f for f in after if f.severity == "error"]
         if errors:
-            raise ValueError(
+            raise UserError(
                 "export cannot fix every problem mechanically; still: "
                 + " ".join(f"[{f.code}] {f.message}" for f in errors)
             )
@@ -119,7 +121,7 @@ def _refuse_overlap(draft_dir: Path, out_dir: Path) -> None:
         where = f"the checkpoint {str(draft_dir)!r} is inside the output {str(out_dir)!r}"
     else:
         return
-    raise ValueError(f"export cannot copy a checkpoint into itself: {where}; give an output "
+    raise UserError(f"export cannot copy a checkpoint into itself: {where}; give an output "
                      "directory outside the checkpoint.")
 
 
@@ -198,7 +200,7 @@ def _fix_mask_token_id(config: dict, mask_token_id: int | None) -> None:
         return
     saved = config.get("mask_token_id")
     if saved is not None and saved != mask_token_id:
-        raise ValueError(
+        raise UserError(
             f"the checkpoint already has mask_token_id {saved}; --mask-token-id only "
             "fills a missing one (the id is fixed by training)."
         )
