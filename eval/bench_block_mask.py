@@ -93,14 +93,15 @@ def main() -> None:
           f"{args.limit_gib:.0f} GiB of address space")
     print("| tokens | elements | build | peak RSS growth (GiB) | seconds | non-empty blocks |")
     print("|---:|---:|---|---:|---:|---:|")
-    elements = "?"
+    from speculators_peagle_plugin.selftest.rows import random_cod_elements
+
     for length in args.lengths:
+        elements = random_cod_elements(0, length=length, num_depths=8)[0].numel()
         for build in BUILDS:
             r = _run_child(build, length, args.limit_s, args.limit_gib)
             if r is None:
                 print(f"| {length} | {elements} | {build} | - | - | - |", flush=True)
                 continue
-            elements = r["elements"]
             print(f"| {length} | {elements} | {build} | {r['peak_growth_gib']:.3f} | "
                   f"{r['seconds']:.3f} | {r['blocks']} |", flush=True)
 

@@ -125,6 +125,6 @@ def test_the_memory_benchmark_runs_shortened():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
             if line.startswith("| 256 ")]
     assert [r[2].strip() for r in rows] == ["create_block_mask", "create_block_mask compiled",
-                                           "COD layout (ours)"]
+                                           "COD layout (ours)", "COD layout, window 2048 (ours)"]
     assert len({r[1] for r in rows}) == 1 and int(rows[0][1]) > 256  # one COD row, >1 depth
     assert all(float(r[3]) >= 0 and float(r[4]) >= 0 for r in rows if r[3].strip() != "-")

@@ -4,8 +4,8 @@ Shapes (see :mod:`speculators_peagle_plugin.core`): ``N`` COD elements of the fl
 sequence, ``L`` tokens of the row, ``nh`` / ``nkv`` query / key-value heads, ``hd`` head dim.
 
 :class:`PEagleMask` holds one sequence's mask in the form each path needs (a flex
-``BlockMask`` read off the COD layout by :mod:`.cod_block_mask`, or the query chunks of :mod:`.block_sparse`), built on
-first use; :func:`peagle_attention` picks the path.
+``BlockMask`` read off the COD layout by :mod:`.cod_block_mask`, or the query chunks of
+:mod:`.block_sparse`), built on first use; :func:`peagle_attention` picks the path.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..core.peagle_attention import create_peagle_mask_mod, lengths_from_document_ids
 from . import flex
-from .cod_block_mask import cod_block_mask
 from .block_sparse import _BlockSparseAttention, _Chunk, _plan_chunks
+from .cod_block_mask import cod_block_mask
 from .flex import _peagle_flex_attention
 
 AttentionImpl = Literal["auto", "flex", "chunked"]
@@ -89,8 +90,11 @@ def _chunked_attention(q, k, v, mask: PEagleMask, scale, forward_dtype=None) -> 
     return _BlockSparseAttention.apply(q, k, v, mask.chunks, scale, forward_dtype)
 
 
-def peagle_attention(q, k, v, mask: PEagleMask, scale: float) -> torch.Tensor:
+def peagle_attention(q, k, v, mask: PEagleMask | BlockMask, scale: float) -> torch.Tensor:
     """Attention of ``q [1, nh, N, hd]`` over ``k, v [1, nkv, N, hd]`` under ``mask``.
+
+    A ``BlockMask`` (:attr:`PEagleMask.block_mask`, built before a compiled region) runs
+    plain ``flex_attention``, for the compiler of the region around it to lower.
 
     Under ``torch.autocast`` the kernels run with autocast off (it would lower every
     ``einsum``, softmax statistics included), and the forward computes in the autocast
@@ -105,10 +109,13 @@ def peagle_attention(q, k, v, mask: PEagleMask, scale: float) -> torch.Tensor:
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
-            if device == "cpu" and mask.impl == "chunked":
+            if device == "cpu" and getattr(mask, "impl", None) == "chunked":
                 q, k, v = (t.float() for t in (q, k, v))
                 return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
+    if isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, scale=scale,
+                              enable_gqa=q.shape[1] != k.shape[1])
     if mask.impl == "flex":
         if not flex._peagle_compile_supported(q, k, v):  # CPU, tiny heads: flex runs eager
             return _peagle_flex_attention(q, k, v, mask.block_mask, scale)

@@ -79,8 +79,9 @@ def _compiled_or_none(key: tuple, instead: str, compiled, *args, **kwargs):
     except Exception as err:  # noqa: BLE001 - any Inductor failure falls back
         lines = str(err).strip().splitlines() or [""]
         compile_failures[key] = f"{type(err).__name__}: {lines[0][:300]}"
-        logger.warning("flex_attention compile failed for %s (%s); %s instead.",
-                       describe(key), compile_failures[key], instead)
+        name, which = (key[0], "") if len(key) == 1 else ("flex_attention", f" for {describe(key)}")
+        logger.warning("%s compile failed%s (%s); %s instead.", name, which, compile_failures[key],
+                       instead)
         return None
 
 
@@ -97,6 +98,8 @@ def failures_since(before: dict) -> str:
 
 
 def describe(key: tuple) -> str:
+    if len(key) == 1:  # a compiled region's name
+        return key[0]
     dtype, nh, nkv, hd, hdv = key
     dims = f"{hd}" if hd == hdv else f"{hd}/{hdv}"
     return f"{dtype}, {nh}/{nkv} heads of {dims}"

@@ -206,3 +206,36 @@ def fused_linear_kl(
             hidden, weight, target_p, target_stats, target_argmax, target_rows, with_grad, mm_dtype,
             tv_weight,
         )
+
+
+def linear_kl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_rows: torch.Tensor,
+    hard_label_weight: float = 0.0,
+    tv_weight: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_linear_kl`'s loss and hits as plain tensor operations, for a compiled
+    region: the compiler fuses the softmaxes and the reductions over ``[n, V_d]``, and
+    autograd gives the backward. Same arguments, same values up to rounding."""
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    mm_dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.autocast(device, enabled=False):
+        z = (hidden.to(mm_dtype) @ weight.to(mm_dtype).T).to(dtype)  # [n, V_d]
+        with torch.no_grad():
+            t = target_logits.to(dtype)
+            t_argmax = t.argmax(-1)
+            p = torch.softmax(t, -1)
+            if hard_label_weight:
+                onehot = torch.nn.functional.one_hot(t_argmax, p.shape[-1]).to(dtype)
+                p = (1 - hard_label_weight) * p + hard_label_weight * onehot
+            p = p[target_rows]
+        log_q = torch.log_softmax(z, -1)
+        kl = (torch.special.xlogy(p, p) - p * log_q).sum(-1)
+        if tv_weight:
+            kl = kl + tv_weight / 2 * (log_q.exp() - p).abs().sum(-1)
+        hits = z.detach().argmax(-1) == t_argmax[target_rows]
+    return kl.sum(), hits

@@ -1,8 +1,9 @@
 """Training a draft: the config (:mod:`.train_config`, composed of sections owned by the modules
 that use them), the P-EAGLE trainer module, one step, checkpoints, the loop.
 
-Modules: ``train_config``, ``peagle_trainer`` (seed API), ``batch`` / ``plan`` / ``metrics`` (its
-parts), ``algorithm`` (entry points), ``optim`` (optimizer and scheduler sections),
+Modules: ``train_config``, ``peagle_trainer`` (seed API), ``batch`` / ``plan`` / ``metrics`` /
+``draft_loss`` (its parts; the last the draft's forward and loss, compiled as one region on
+CUDA), ``algorithm`` (entry points), ``optim`` (optimizer and scheduler sections),
 ``distributed`` (ranks, wrappers; the ``runtime`` section), ``step``, ``checkpoint`` (the
 ``trainer`` section), ``progress`` (the ``logging`` section), ``online`` (the ``online``
 section), ``validation`` / ``heldout`` (held-out scoring), ``prefetch``, ``loop``,

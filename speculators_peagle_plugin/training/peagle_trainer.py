@@ -15,7 +15,8 @@ import torch
 from ..core.peagle_attention import lengths_from_document_ids
 from ..core.peagle_config import CODConfig, PEagleConfig
 from ..core.peagle_data import generate_cod_sample_indices
-from ..kernels.fused_kl import LossConfig, fused_linear_kl
+from ..kernels.fused_kl import LossConfig
+from . import draft_loss
 from .batch import batch_document_ids, check_batch_shapes, row, supervised_elements
 from .metrics import PEagleStepMetrics
 from .plan import PlanUnit, _PeaglePlan, context_reach, row_units
@@ -217,36 +218,18 @@ class PEagleTrainerModule(torch.nn.Module):
         n0 = int(is_ctx.sum())
         assert bool(is_ctx[:n0].all()), "elements must be depth-major"
         sampled_ids = torch.where(is_ctx, input_ids_row[orig_positions], self.mask_token_id)
-        # fc runs on the n0 real rows only; one projected mask_hidden fills every deeper
-        # slot and stays in the autograd graph even when there is none (DDP needs every
-        # parameter used on every rank).
-        projected = torch.cat(
-            [
-                draft.project_hidden_states(aux_row[orig_positions[:n0]]),
-                draft.masked_projected_hidden().expand(depth.shape[0] - n0, -1),
-            ]
-        )
         masks = draft.build_peagle_block_mask(
             anchor_pos, depth, torch.as_tensor(row_length), seq_len
         )
         rows = torch.nonzero(loss_positions).squeeze(1)
-        hidden = draft.forward_peagle(
-            sampled_ids[None],
-            projected[None],
-            orig_positions[None],
-            masks,
-            mask_slots=depth.shape[0] - n0,
-            output_rows=rows,
-        )[0]  # [R, D]: the charged rows
         # Target logits once per distinct position (elements of different depths share
         # positions), draft columns only; logits and KL for charged rows only.
         positions, target_rows = torch.unique(orig_positions[rows], return_inverse=True)
         with torch.no_grad():
             targets = self._targets(positions, target_logits_row, verifier_row)
-        loss = self.loss_config
-        kl_sum, hits = fused_linear_kl(
-            draft.lm_head_inputs(hidden), draft.lm_head.weight, targets, target_rows,
-            loss.hard_label_weight, loss.tv_weight,
+        kl_sum, hits = draft_loss.row_loss(
+            draft, sampled_ids, aux_row, orig_positions[:n0], orig_positions, masks, rows,
+            targets, target_rows, self.loss_config,
         )
         k = self.peagle.num_depths
         with torch.no_grad():
