@@ -316,3 +316,22 @@ def test_eval_killed_at_random_points_resumes_to_the_same_record(
 ):
     killed_and_rerun(forker, tmp_path, 61, lambda out: eval_args(target, draft_dir, out),
                      eval_table)
+
+
+def demo_result(run_dir):
+    """What the demo made: its stages' outputs (paths under RUN), the served draft's weights,
+    the eval's table."""
+    stages = json.loads((run_dir / "stages.json").read_text().replace(str(run_dir), "RUN"))
+    outputs = {name: stage["outputs"] for name, stage in stages.items()}
+    weights = (run_dir / "trained-draft" / "model.safetensors").read_bytes()
+    table = json.loads(json.dumps(eval_table(run_dir / "eval")).replace(str(run_dir), "RUN"))
+    return outputs, weights, table
+
+
+@pytest.mark.slow
+def test_the_demo_killed_at_random_points_resumes_to_the_same_result(target, forker, tmp_path):
+    from helpers.tiny_demo import recipe
+
+    path = recipe(tmp_path)
+    killed_and_rerun(forker, tmp_path, 62, lambda run: ["demo", "--recipe", path, "--run-dir", run],
+                     demo_result, setup=("helpers.tiny_demo:install", target))

@@ -53,10 +53,14 @@ class Forker:
         assert self.proc.stdout.readline().strip() == "ready"
 
     def run(self, args: list[str], log: Path, kill_after: float | None = None,
-            cwd: Path | None = None) -> dict:
-        """``{"rc", "killed", "seconds"}`` of ``speculators-peagle ARGS`` (rc -9: killed)."""
+            setup: tuple[str, ...] = ()) -> dict:
+        """``{"rc", "killed", "seconds"}`` of ``speculators-peagle ARGS`` (rc -9: killed).
+
+        ``setup``: ``("module:function", *args)`` that the child calls first (a module
+        under ``tests/``), e.g. to put tiny stand-ins in place.
+        """
         request = {"args": [str(a) for a in args], "log": str(log), "kill_after": kill_after,
-                   "cwd": str(cwd) if cwd else None}
+                   "setup": [str(a) for a in setup]}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
@@ -78,9 +82,14 @@ def _child(request: dict) -> None:
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    if request["cwd"]:
-        os.chdir(request["cwd"])
     from speculators_peagle_plugin.cli import main
+
+    if request["setup"]:
+        import importlib
+
+        name, *args = request["setup"]
+        module, function = name.split(":")
+        getattr(importlib.import_module(module), function)(*args)
 
     code = 0
     try:
@@ -101,6 +110,7 @@ def _serve() -> None:
     """Read one JSON request a line, fork and run it, write its outcome as a line."""
     import importlib
 
+    sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: its helpers
     for name in PRELOAD:
         importlib.import_module(name)
     print("ready", flush=True)
