@@ -24,6 +24,7 @@ is an exception to catch, on a CPU the kernel kills the process.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -39,7 +40,7 @@ from ..kernels import flex
 from ..model.build import DEFAULT_SLIDING_WINDOW
 from .shapes import SHAPES, build_draft, speculators_twin, trainer_for
 
-SEGMENT_TOKENS = 8192  # ours: one sequence partition per this many tokens of the row
+SEGMENT_TOKENS = 4096  # ours: one sequence partition per this many tokens of the row
 SEARCH_CAP = 1 << 20  # the longest-row search stops here (tokens)
 SIDES = ("ours", "speculators")
 
@@ -65,13 +66,13 @@ def make_row(shape, seq_len: int, device: torch.device, dtype: torch.dtype) -> d
     }
 
 
-def _ours(shape, device: torch.device, autocast: str):
+def _ours(shape, device: torch.device, autocast: str, window: int = DEFAULT_SLIDING_WINDOW):
     """Our step: ``step(batch, index) -> loss`` (the module re-planned per row length)."""
     from ..training.distributed import StepModule, World, wrap
     from ..training.step import gradient_norm, train_step
     from ..training.train_config import TrainConfig
 
-    draft = build_draft(shape, device, seed=0, window=DEFAULT_SLIDING_WINDOW)
+    draft = build_draft(shape, device, seed=0, window=window)
     module = trainer_for(draft)
     world = World(0, 1, device)
     params = [p for p in draft.model.parameters() if p.requires_grad]
@@ -79,11 +80,12 @@ def _ours(shape, device: torch.device, autocast: str):
 
     def step(batch: dict, index: int) -> float:
         seq_len = batch["input_ids"].shape[1]
-        module.sequence_partitions = segments_for(seq_len)
+        segments = segments_for(seq_len)
+        module.peagle = dataclasses.replace(module.peagle, sequence_partitions=segments)
         # the step reads no path: these only satisfy the config's checks
         config = TrainConfig.from_sources(
             verifier_name_or_path="selftest", data_path="selftest", save_path="selftest",
-            sequence_partitions=module.sequence_partitions, autocast=autocast, device=str(device),
+            sequence_partitions=segments, autocast=autocast, device=str(device),
         )
         wrapped = wrap(StepModule(module, every_parameter=False), config, world)
         optimizer.zero_grad(set_to_none=True)
@@ -210,14 +212,18 @@ def measure_side(spec: dict) -> dict:
     """One side's step at each row length (ascending), and its longest row when asked.
 
     ``spec``: ``side``, ``shape``, ``device``, ``seq_lens``, ``warmup``, ``steps``,
-    ``search_s`` (0: no search). Each length: ``tokens_per_s`` (the row's tokens over the
-    median step), ``peak_gib``, ``loss``, and ``segments`` for ours; or ``error``.
+    ``search_s`` (0: no search), optionally ``window`` (ours' draft; default speculators').
+    Each length: ``tokens_per_s`` (the row's tokens over the median step), ``peak_gib``,
+    ``loss``, and ``segments`` for ours; or ``error``.
     """
     device = torch.device(spec["device"])
     shape = SHAPES[spec["shape"]]
     cuda = device.type == "cuda"
     autocast, dtype = ("bfloat16", torch.bfloat16) if cuda else ("none", torch.float32)
-    step = (_ours if spec["side"] == "ours" else _theirs)(shape, device, autocast)
+    if spec["side"] == "ours":
+        step = _ours(shape, device, autocast, spec.get("window", DEFAULT_SLIDING_WINDOW))
+    else:
+        step = _theirs(shape, device, autocast)
     failed_before = dict(flex.compile_failures)
     out = {"side": spec["side"], "lengths": {}}
     fitted = 0
