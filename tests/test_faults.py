@@ -5,6 +5,7 @@ command afterwards finishes with the result of an uninterrupted run.
 import errno
 import json
 import logging
+import signal
 
 import pytest
 import safetensors.torch
@@ -335,3 +336,60 @@ def test_the_demo_killed_at_random_points_resumes_to_the_same_result(target, for
     path = recipe(tmp_path)
     killed_and_rerun(forker, tmp_path, 62, lambda run: ["demo", "--recipe", path, "--run-dir", run],
                      demo_result, setup=("helpers.tiny_demo:install", target))
+
+
+# ------------------------------------------------------------------ a server that dies
+# eval --server against a fake vLLM server process (helpers.fake_vllm) that kills itself
+# with SIGKILL halfway through the stream of a chosen request.
+
+
+def served_eval(target, url, out):
+    """eval of 2 prompt sets x concurrency 1, 2 on the server at ``url``: 4 cells, in turn
+    (c=1 a, c=1 b, c=2 a, c=2 b) of 1, 1, 2 and 2 requests."""
+    from click.testing import CliRunner
+
+    from speculators_peagle_plugin.cli import main
+
+    args = ["eval", "--target", target, "--server", url, "--prompts", "chat[:2]",
+            "--prompts", "chat[2:4]", "--prompts-per-slot", "1", "--concurrency", "1,2",
+            "--max-new-tokens", "6", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+def test_a_server_that_dies_mid_eval_is_retried_then_one_sentence_and_the_rerun_resumes(
+    target, tmp_path, monkeypatch
+):
+    from helpers.fake_vllm import fake_vllm
+    from helpers.serve import free_port
+
+    from speculators_peagle_plugin.evaluation import server as server_mod
+    from speculators_peagle_plugin.evaluation.cells import CELLS_FILE
+
+    monkeypatch.setattr(server_mod, "RETRY_WAIT_S", 0.05)
+    port, log = free_port(), tmp_path / "requests.jsonl"
+    url, out = f"http://127.0.0.1:{port}", tmp_path / "out"
+    with fake_vllm(port, log):
+        code, whole = served_eval(target, url, tmp_path / "whole")
+    assert code == 0, whole
+    requests = log.read_text().splitlines()
+    assert len(requests) == 6
+    log.unlink()
+    with fake_vllm(port, log, die_at=5) as server:  # the first request of the last cell
+        code, output = served_eval(target, url, out)
+        assert server.wait(10) == -signal.SIGKILL
+    assert code == 1 and "Traceback" not in output, output
+    (line,) = [x for x in output.splitlines() if x.startswith("Error: ")]
+    assert f"Error: the server at {url} stopped answering during chat[2:4]" in line
+    assert "did not come back in 3 tries" in line and "restart the server" in line
+    assert f"3 finished cell(s) of 4 are kept in {out / CELLS_FILE}" in line
+    assert output.count("trying the cell again") == 2
+    assert len((out / CELLS_FILE).read_text().splitlines()) == 3
+    assert not (out / "record.json").exists()
+    log.unlink()
+    with fake_vllm(port, log):  # restarted: only the last cell is measured
+        code, output = served_eval(target, url, out)
+    assert code == 0, output
+    assert log.read_text().splitlines() == requests[4:]
+    assert json.loads((out / "record.json").read_text())["resumed_cells"] == 3
+    assert eval_table(out) == eval_table(tmp_path / "whole")

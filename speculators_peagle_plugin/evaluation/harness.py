@@ -73,7 +73,9 @@ def evaluate(
     else:
         record["servers"] = [dataclasses.asdict(s) for s in servers]
         stop_ids = stop_token_ids(config.target, tokenizer)
-        runs = run_servers(servers, prompts, config.sweep, stop_ids, config.ignore_eos)
+        set_sha256 = {p["name"]: p["sha256"] for p in record["prompt_sets"]}
+        runs = run_servers(servers, prompts, config.sweep, stop_ids, config.ignore_eos,
+                           FinishedCells(out_dir / CELLS_FILE), set_sha256)
     for run in runs:
         run["per_category"] = per_category(run, prompt_sets)
     record["resumed_cells"] = sum(run["resumed"] for run in runs)

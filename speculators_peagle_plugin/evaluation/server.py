@@ -27,6 +27,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import http.client
 import json
 import threading
 import time
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 from ..common.errors import UserError
 from ..engine.counters import SpecDecodeCounters
+from .cells import FinishedCells
 from .eval_config import SweepConfig
 from .report import cell_tag, progress_callback, run_entry
 
@@ -45,10 +49,21 @@ __all__ = ["Server", "ServerError", "probe_server", "probe_servers", "run_server
            "run_servers"]
 
 TIMEOUT_S = 600.0  # one request, streamed: long enough for a slow CPU server's longest reply
+RETRIES = 3  # tries of a cell whose server stops answering
+RETRY_WAIT_S = 5.0  # before a cell's second try; doubled before each later one
 
 
 class ServerError(UserError):
     """A server that cannot be measured, in one sentence."""
+
+
+class ServerGone(ServerError):
+    """A server that stopped answering: refused or dropped the connection, or cut a reply
+    short. ``reason``: what the connection reported."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -69,10 +84,12 @@ def _get(url: str, timeout: float = 30.0) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             return reply.read()
-    except OSError as exc:  # URLError is an OSError
+    except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
         reason = getattr(exc, "reason", exc)
-        raise ServerError(
-            f"could not read {url} ({reason}); start the vLLM server or correct --server."
+        error = ServerError if isinstance(exc, urllib.error.HTTPError) else ServerGone
+        raise error(
+            f"could not read {url} ({reason}); start the vLLM server or correct --server.",
+            *([] if error is ServerError else [str(reason)]),
         ) from None
 
 
@@ -151,11 +168,12 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[
         server.url + "/v1/completions", json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    tokens, stamps = [], []
+    tokens, stamps, done = [], [], False
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
             for raw in reply:
                 line = raw.decode().strip()
+                done = done or line == "data: [DONE]"
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 for choice in json.loads(line[5:]).get("choices", []):
@@ -163,11 +181,22 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, stop_ids: set[
                     if new:
                         tokens += new
                         stamps.append((time.perf_counter(), len(new)))
-    except OSError as exc:  # URLError and HTTPError are OSErrors
+    except urllib.error.HTTPError as exc:
         raise ServerError(
             f"the request to {server.url}/v1/completions failed ({_reason(exc)}); see the "
             "server's log."
         ) from None
+    except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+        done, reason = False, _reason(exc) if isinstance(exc, OSError) else repr(exc)
+    except json.JSONDecodeError:
+        done, reason = False, "a line of the reply was cut short"
+    else:
+        reason = "the reply ended before its [DONE]"
+    if not done:
+        raise ServerGone(
+            f"the request to {server.url}/v1/completions failed ({reason}); see the server's "
+            "log.", reason,
+        )
     tpot, after_first = None, len(tokens) - (stamps[0][1] if stamps else 0)
     if after_first > 0:
         tpot = (stamps[-1][0] - stamps[0][0]) / after_first
@@ -211,9 +240,45 @@ def run_server_cell(server: Server, prompts: Sequence[list[int]], concurrency: i
     }
 
 
+def server_cell_key(server: Server, prompt_set: str, set_sha256: str | None,
+                    ids: Sequence[list[int]], concurrency: int, max_tokens: int,
+                    stop_ids: set[int], ignore_eos: bool) -> dict:
+    """The key a server's cell is kept under (:mod:`.cells`): the server (URL, the model it
+    serves, its K), the prompt set and the sha256 of the exact token ids, and the request's
+    settings. eval cannot hash the draft a server runs: a server restarted at the same URL
+    with another draft of the same K is taken for the old one (use another ``--out``)."""
+    digest = hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+    return {"cells": [{
+        "backend": "server", "server": server.url, "model": server.model, "k": server.k,
+        "prompt_set": prompt_set, "prompt_set_sha256": set_sha256, "prompts": len(ids),
+        "prompts_sha256": digest, "batch_size": concurrency, "max_tokens": max_tokens,
+        "stop_token_ids": sorted(stop_ids), "ignore_eos": ignore_eos,
+    }]}
+
+
+def _tried(measure: Callable[[], dict], server: Server, tag: str, write) -> dict:
+    """``measure()``, tried ``RETRIES`` times in all while its server does not answer; the
+    waits between tries double from ``RETRY_WAIT_S``."""
+    for attempt in range(RETRIES):
+        try:
+            return measure()
+        except ServerGone as exc:
+            if attempt + 1 == RETRIES:
+                raise ServerGone(
+                    f"the server at {server.url} stopped answering during {tag} and did not "
+                    f"come back in {RETRIES} tries ({exc.reason})", exc.reason,
+                ) from None
+            wait = RETRY_WAIT_S * 2**attempt
+            write(f"{server.url} stopped answering during {tag} ({exc.reason}); trying the "
+                  f"cell again in {wait:.0f} s ({attempt + 2} of {RETRIES} tries)")
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
-                sweep: SweepConfig, stop_ids: set[int], ignore_eos: bool
-                ) -> list[dict]:
+                sweep: SweepConfig, stop_ids: set[int], ignore_eos: bool,
+                store: FinishedCells | None = None,
+                set_sha256: dict[str, str] | None = None) -> list[dict]:
     """Every (server, concurrency, prompt set) cell under one progress bar, one server after
     another; one record run per cell, as the harness makes them from its engines' cells.
 
@@ -222,10 +287,12 @@ def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
         prompts: ``{prompt set: [prompt token ids]}``, rendered as the target's chat template
             renders them.
         sweep: the concurrencies, new tokens and prompts per slot (its K are the servers').
+        store: where finished cells are kept, and found on a rerun (None: nowhere).
+        set_sha256: each prompt set's sha256, part of its cells' keys.
 
-    Unlike the engines' cells (:mod:`.cells`), a server's cells are not kept for a rerun:
-    eval cannot hash the draft a server runs, so a restarted server with another draft at
-    the same URL would be paired with the old one's figures; a rerun measures them again.
+    With ``store`` each finished cell is kept there as it ends (:func:`server_cell_key`), and
+    a cell found there is not measured again. A cell whose server stops answering is tried
+    ``RETRIES`` times in all; then :class:`ServerError` says how many cells are kept.
     """
     from tqdm import tqdm
 
@@ -233,19 +300,45 @@ def run_servers(servers: Sequence[Server], prompts: dict[str, list[list[int]]],
     for server in servers:
         for c in sweep.concurrency:
             for name, ids in prompts.items():
-                cells.append((server, c, name, ids[: sweep.prompts_per_slot * c]
-                              if sweep.prompts_per_slot else ids))
-    bar = tqdm(total=sum(len(ids) for *_, ids in cells), unit="prompt", desc="eval")
+                ids = ids[: sweep.prompts_per_slot * c] if sweep.prompts_per_slot else ids
+                key = server_cell_key(server, name, (set_sha256 or {}).get(name), ids, c,
+                                      sweep.max_new_tokens, stop_ids, ignore_eos)
+                kept = store.get(key) if store is not None else None
+                cells.append((server, c, name, ids, key, kept and kept[0]))
+    todo = [cell for cell in cells if not cell[-1]]
+    resumed = [cell[4] for cell in cells if cell[-1]]
+    bar = tqdm(total=sum(len(cell[3]) for cell in todo), unit="prompt", desc="eval")
+    if len(todo) < len(cells):
+        bar.write(f"{len(cells) - len(todo)} of {len(cells)} cells finished earlier "
+                  f"({store.path}); measuring the other {len(todo)}")
     runs = []
     try:
-        for server, c, name, ids in cells:
-            progress = progress_callback(bar, cell_tag(name, server.label, server.k, c))
-            result = run_server_cell(server, ids, c, sweep.max_new_tokens, stop_ids, ignore_eos,
-                                     progress)
+        for server, c, name, ids, key, kept in cells:
+            if not kept:
+                tag = cell_tag(name, server.label, server.k, c)
+                measure = functools.partial(
+                    run_server_cell, server, ids, c, sweep.max_new_tokens, stop_ids, ignore_eos,
+                    progress_callback(bar, tag),
+                )
+                kept = _tried(measure, server, tag, bar.write)
+                if store is not None:
+                    store.add(key, [kept])
             runs.append(run_entry(
-                result, prompt_set=name, draft=None, server=server.url, label=server.label,
-                k=server.k, concurrency=c, backend="server", resumed=False,
+                kept, prompt_set=name, draft=None, server=server.url, label=server.label,
+                k=server.k, concurrency=c, backend="server", resumed=key in resumed,
             ))
+    except ServerGone as exc:
+        raise ServerError(f"{exc}; {_kept(store, [cell[4] for cell in cells])}: restart the "
+                          "server and run the same command again.") from None
     finally:
         bar.close()
     return runs
+
+
+def _kept(store: FinishedCells | None, keys: list[dict]) -> str:
+    """Which of the cells ``keys`` are kept, in words."""
+    if store is None:
+        return "no cell is kept"
+    done = sum(store.get(key) is not None for key in keys)
+    return (f"{done} finished cell(s) of {len(keys)} are kept in {store.path}, so the same "
+            f"command measures only the other {len(keys) - done}")
