@@ -49,7 +49,7 @@ def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path
     record = tmp_path / "record.json"
     done = subprocess.run(
         [sys.executable, "-m", "speculators_peagle_plugin", "selftest", "--device", "cpu",
-         "--quick", "--json", str(record)],
+         "--quick", "--ours-seq-lens", "512", "--json", str(record), "--profile"],
         env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path,
     )
     out = done.stdout
@@ -59,15 +59,19 @@ def test_quick_cpu_selftest_passes_and_the_gpu_wheels_cover_its_imports(tmp_path
     for name in ("attention chunked float32", "attention chunked bfloat16",
                  "training step float32", "training step bfloat16",
                  "partitioned step == flat step", "step ours 256 tokens",
-                 "step speculators 256 tokens"):
+                 "step ours 512 tokens", "step speculators 256 tokens"):
         assert f"PASS {name}: " in out, name
     assert "SKIP torchrun DDP: --quick" in out and "FAIL" not in out
     assert any(line.startswith("ratio 256 tokens: ours ") for line in lines)
-    assert "selftest: 7 passed, 0 failed, 2 skipped" in out
+    assert "selftest: 8 passed, 0 failed, 2 skipped" in out
     saved = json.loads(record.read_text())
     assert saved["passed"] and saved["stack"]["device"] == "cpu"
-    assert [c["status"] for c in saved["checks"]].count("PASS") == 7
+    assert [c["status"] for c in saved["checks"]].count("PASS") == 8
     assert saved["speed"]["speculators"]["lengths"]["256"]["tokens_per_s"] > 0
+    assert "512" not in saved["speed"]["speculators"]["lengths"]  # ours alone runs it
+    for side in ("ours", "speculators"):  # one profiled step per side, beside the record
+        table = (tmp_path / f"profile-{side}-256.txt").read_text()
+        assert "Self CPU" in table and len(table.splitlines()) >= 10
 
     runs = [json.loads(p.read_text()) for p in imports.glob("*.json")]
     perf = [r for r in runs if r["argv"][0].endswith("perf.py")]
@@ -91,7 +95,8 @@ def test_gpu_command_installs_offline_and_runs_the_cuda_selftest():
     install, run = command_line.split(" && ")
     assert "pip install" in install and "--no-deps --no-index runs/gpu-wheels/*.whl" in install
     assert run.startswith("python3 -m speculators_peagle_plugin.selftest --device cuda ")
-    assert "--shape llama8b --seq-lens 8192,32768 --json " in run
+    assert "--shape llama8b --seq-lens 8192,32768 --ours-seq-lens 65536,131072 " in run
+    assert run.endswith("--profile --json \"${OUT:-.}/selftest-cuda.json\"")
 
 
 def run_cli(args):
@@ -158,6 +163,8 @@ def test_a_planted_wrong_loss_or_plan_fails_its_step_check(monkeypatch, name, pl
     (["--seq-lens", "8k"], "--seq-lens '8k' is not a comma-separated list of integers."),
     (["--seq-lens", "4096,8"], "give row lengths of 16 tokens or more."),
     (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: its directory does not"),
+    (["--ours-seq-lens", "65536,x"], "--ours-seq-lens '65536,x' is not a comma-separated list"),
+    (["--profile"], "--profile writes its tables beside the record: give --json too."),
     (["--shape", "llama70b"], "Invalid value for '--shape'"),
 ])
 def test_bad_input_is_one_sentence_and_exit_code_not_zero(args, message):

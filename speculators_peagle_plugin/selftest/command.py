@@ -29,30 +29,39 @@ class Options:
     shape: str
     seq_lens: tuple[int, ...]
     json_path: str | None
+    ours_seq_lens: tuple[int, ...] = ()  # rows ours alone runs too (speculators' cannot fit)
+    profile: bool = False  # a profiler table of one step per side, beside the record
 
     @property
     def seeds(self) -> range:
         return range(2 if self.quick else 4)
 
 
-def parse_options(device, quick, shape, seq_lens, json_path) -> Options:
+def parse_options(device, quick, shape, seq_lens, json_path, ours_seq_lens=None,
+                  profile=False) -> Options:
     """The command's options, checked; ``ValueError`` says what is wrong in one sentence."""
     dev = checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = shape or ("tiny" if quick else "llama8b" if dev.type == "cuda" else "smollm2")
-    if seq_lens is None:
-        lens = DEFAULT_SEQ_LENS["quick" if quick else dev.type]
-    else:
-        try:
-            lens = tuple(int(t) for t in seq_lens.replace(",", " ").split())
-        except ValueError:
-            raise ValueError(
-                f"--seq-lens {seq_lens!r} is not a comma-separated list of integers."
-            ) from None
-        if not lens or min(lens) < 16:
-            raise ValueError(f"--seq-lens {seq_lens!r}: give row lengths of 16 tokens or more.")
+    lens = (DEFAULT_SEQ_LENS["quick" if quick else dev.type] if seq_lens is None
+            else _row_lengths("--seq-lens", seq_lens))
+    ours = () if ours_seq_lens is None else _row_lengths("--ours-seq-lens", ours_seq_lens)
     if json_path is not None and not Path(json_path).resolve().parent.is_dir():
         raise ValueError(f"--json {json_path}: its directory does not exist.")
-    return Options(dev, quick, shape, tuple(sorted(set(lens))), json_path)
+    if profile and json_path is None:
+        raise ValueError("--profile writes its tables beside the record: give --json too.")
+    return Options(dev, quick, shape, lens, json_path, tuple(sorted(set(ours) - set(lens))),
+                   profile)
+
+
+def _row_lengths(flag: str, text: str) -> tuple[int, ...]:
+    """``"8192,32768"`` -> ``(8192, 32768)``, sorted, each at least 16 tokens."""
+    try:
+        lens = tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a comma-separated list of integers.") from None
+    if not lens or min(lens) < 16:
+        raise ValueError(f"{flag} {text!r}: give row lengths of 16 tokens or more.")
+    return tuple(sorted(set(lens)))
 
 
 def speculators_problem() -> str | None:
@@ -72,11 +81,15 @@ def _measure(side: str, options: Options) -> dict:
     """One side's speed record; on CPU in a fresh process (its own peak RSS)."""
     from .perf import measure_side
 
+    lens = options.seq_lens + (options.ours_seq_lens if side == "ours" else ())
     spec = {
         "side": side, "shape": options.shape, "device": str(options.device),
-        "seq_lens": list(options.seq_lens), "warmup": 1, "steps": 1 if options.quick else 3,
+        "seq_lens": list(lens), "warmup": 1, "steps": 1 if options.quick else 3,
         "search_s": 0 if options.quick or options.device.type != "cuda" else SEARCH_S,
     }
+    if options.profile:
+        spec["profile"] = str(Path(options.json_path).with_name(
+            f"profile-{side}-{options.seq_lens[0]}.txt"))
     if options.device.type == "cuda":
         return measure_side(spec)
     cmd = [sys.executable, "-m", "speculators_peagle_plugin.selftest.perf", json.dumps(spec)]
@@ -219,12 +232,18 @@ def _default_lens() -> str:
               "cuda, smollm2 on cpu].")
 @click.option("--seq-lens", help="Row lengths of the speed comparison, comma-separated "
               f"[default: {_default_lens()}].")
+@click.option("--ours-seq-lens", help="Longer rows ours alone runs too, in partitions, "
+              "comma-separated (speculators' side does not fit them) [default: none].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Also write the record to this JSON file.")
-def selftest(device, quick, shape, seq_lens, json_path) -> None:
+@click.option("--profile", is_flag=True,
+              help="Also write, beside --json, a torch.profiler table of the 20 costliest "
+              "kernels of one step per side at the first --seq-lens row.")
+def selftest(device, quick, shape, seq_lens, ours_seq_lens, json_path, profile) -> None:
     """Check the kernels and the training step on this machine; exit 1 on any FAIL."""
     try:
-        options = parse_options(device, quick, shape, seq_lens, json_path)
+        options = parse_options(device, quick, shape, seq_lens, json_path, ours_seq_lens,
+                                profile)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if not run_selftest(options)["passed"]:

@@ -147,6 +147,23 @@ def _theirs(shape, device: torch.device, autocast: str, loss_impl: str | None = 
     return step
 
 
+def profile_step(step, batch: dict, device: torch.device, path: str) -> str:
+    """One more step under ``torch.profiler``; its 20 costliest kernels (by their own CUDA
+    time; on CPU, by their own CPU time) as a table in ``path``. Returns ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step(batch, 0)
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=20)
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    return path
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -244,6 +261,8 @@ def measure_side(spec: dict) -> dict:
             median = statistics.median(times[spec["warmup"] :])
             record |= {"tokens_per_s": seq_len / median, "step_s": median, "loss": loss,
                        "peak_gib": _peak_gib(device)}
+            if spec.get("profile") and seq_len == min(spec["seq_lens"]):
+                record["profile"] = profile_step(step, batch, device, spec["profile"])
             if not math.isfinite(loss):
                 record["error"] = f"non-finite loss {loss}"
             else:
