@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import signal
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -393,3 +394,121 @@ def test_a_server_that_dies_mid_eval_is_retried_then_one_sentence_and_the_rerun_
     assert log.read_text().splitlines() == requests[4:]
     assert json.loads((out / "record.json").read_text())["resumed_cells"] == 3
     assert eval_table(out) == eval_table(tmp_path / "whole")
+
+
+# ------------------------------------------------------- disk faults: generate-data, eval
+# As for train above: the writer of a chosen file puts part of its bytes down and raises
+# ENOSPC; the same command on a disk with room again ends as the uninterrupted run.
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread while the test runs: on a busy 2-core machine two threads wait on
+    each other and tiny models run 20 times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli(args):
+    from click.testing import CliRunner
+
+    from speculators_peagle_plugin.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def half_json(path, obj, indent=None):
+    """atomic_write_json whose temporary file gets half its text before the disk fills."""
+    from speculators_peagle_plugin.common.files import atomic_write
+
+    def write(tmp):
+        tmp.write_text(json.dumps(obj)[:10])
+        raise OSError(errno.ENOSPC, NO_SPACE)
+
+    atomic_write(path, write)
+
+
+def half_safetensors(tensors, path):
+    Path(path).write_bytes(b"\0" * 100)
+
+
+@pytest.mark.parametrize(("module", "name", "n", "part"), [
+    ("generation", "atomic_write_json", 2, half_json),  # the second shard of replies
+    ("capture", "save_safetensors", 3, half_safetensors),  # the third row's hidden states
+])
+@pytest.mark.usefixtures("one_thread")
+def test_a_disk_that_fills_during_generate_data_keeps_the_finished_rows_and_resumes(
+    target_dir, tmp_path, monkeypatch, module, name, n, part
+):
+    import importlib
+
+    from helpers.chat_target import gen_args, write_prompt_rows
+
+    from speculators_peagle_plugin.common.files import TMP_MARK
+
+    prompts = write_prompt_rows(tmp_path / "prompts.jsonl")
+    args_of = lambda out: gen_args(target_dir, prompts, out, "--batch-size", "2")  # noqa: E731
+    code, out = cli(args_of(tmp_path / "whole"))
+    assert code == 0, out
+    mod = importlib.import_module(f"speculators_peagle_plugin.datagen.{module}")
+    monkeypatch.setattr(mod, name, fill_on_call(n, part, OSError(errno.ENOSPC, NO_SPACE))(
+        getattr(mod, name)))
+    data = tmp_path / "data"
+    line = refusal(*cli(args_of(data)))
+    assert f"Writing {data} failed, no space left on the device" in line
+    assert "for the generated data; free some space, then run the same command again" in line
+    kept = [p for p in data.rglob("*") if p.parent.name in ("responses", "hidden_states")]
+    assert kept and not [p for p in data.rglob("*") if TMP_MARK in p.name]
+    for path in kept:  # each whole
+        json.loads(path.read_text()) if path.suffix == ".json" else load_safetensors(path)
+    monkeypatch.undo()
+    code, out = cli(args_of(data))
+    assert code == 0, out
+    assert data_rows(data) == data_rows(tmp_path / "whole")
+
+
+class CutShortFile(CutShort):
+    """:class:`CutShort` with the rest of a file's methods (flush, fileno)."""
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+@pytest.mark.parametrize("where", ["a cell's line", "the record"])
+@pytest.mark.usefixtures("one_thread")
+def test_a_disk_that_fills_during_an_eval_keeps_the_finished_cells_and_resumes(
+    target, draft_dir, tmp_path, monkeypatch, where
+):
+    from speculators_peagle_plugin.evaluation import cells, report
+
+    args_of = lambda out: eval_args(target, draft_dir, out)  # noqa: E731
+    code, out = cli(args_of(tmp_path / "whole"))
+    assert code == 0, out
+    opened = []
+
+    def cut_on_second(path, mode="r", **kwargs):  # the second cell's line: half of it lands
+        opened.append(mode)
+        return CutShortFile(open(path, mode, **kwargs), lambda: opened.count("a") == 2)
+
+    def no_room(path, text):
+        raise OSError(errno.ENOSPC, NO_SPACE)
+
+    if where == "the record":
+        monkeypatch.setattr(report, "atomic_write_text", no_room)
+        target_file, lines = "record.json", 4
+    else:
+        monkeypatch.setattr(cells, "open", cut_on_second, raising=False)
+        target_file, lines = cells.CELLS_FILE, 1
+    run = tmp_path / "run"
+    line = refusal(*cli(args_of(run)))
+    assert f"Writing {run / target_file} failed, no space left on the device" in line
+    assert len((run / cells.CELLS_FILE).read_text().splitlines()) == lines + (lines == 1)
+    assert not (run / "record.json").exists()
+    monkeypatch.undo()
+    code, out = cli(args_of(run))
+    assert code == 0, out
+    assert json.loads((run / "record.json").read_text())["resumed_cells"] == lines
+    assert eval_table(run) == eval_table(tmp_path / "whole")

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..common.errors import UserError
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries, temporary_name
 from ..common.lock import LOCK_FILE, exclusive_directory
+from ..common.paths import writing
 from ..common.reading import read_json
 from ..data.dataset import TrainingData, open_training_data
 from ..data.layout import (
@@ -174,7 +175,8 @@ def _output_of(config: DataGenConfig):
         prompts, settings["contamination"] = read_training_prompts(
             config.prompts, config.max_samples, config.contamination_guard
         )
-        yield settings, Target(config), prompts
+        with writing(output, "the generated data"):  # each file is whole or absent
+            yield settings, Target(config), prompts
 
 
 def _write_replies(

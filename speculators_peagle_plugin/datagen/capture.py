@@ -74,25 +74,38 @@ class _PrefixStates:
         self.prefix: list[int] = []
         self.prefix_states = self.cache = None
 
+    def _choose(self, ids: list[int], next_ids: list[int] | None) -> None:
+        """The prefix row ``ids`` is computed from (the rule above), a function of the rows
+        alone; its states are computed when a row first uses them."""
+        p = len(self.prefix)
+        if p and len(ids) > p and ids[:p] == self.prefix:
+            return
+        shared = 0 if next_ids is None else _shared_prefix(ids, next_ids)
+        shared = min(shared, len(ids) - 1, len(next_ids or ()) - 1)
+        self.prefix = ids[:shared] if shared >= MIN_SHARED_PREFIX else []
+        self.prefix_states = self.cache = None
+
+    def skip(self, ids: list[int], next_ids: list[int] | None) -> None:
+        """Row ``ids`` is stored already: follow the rule as if it were computed, so that a
+        resumed run computes each later row from the prefix (and so to the bit the states)
+        of a run that computed every row."""
+        self._choose(ids, next_ids)
+
     @torch.no_grad()
     def __call__(self, ids: list[int], next_ids: list[int] | None) -> torch.Tensor:
         from transformers import DynamicCache
 
         device = self.device
+        self._choose(ids, next_ids)
+        if not self.prefix:
+            return capture_hidden_states(self.model, torch.tensor(ids, device=device),
+                                         self.layer_ids)
         p = len(self.prefix)
-        if not (p and len(ids) > p and ids[:p] == self.prefix):
-            shared = 0 if next_ids is None else _shared_prefix(ids, next_ids)
-            shared = min(shared, len(ids) - 1, len(next_ids or ()) - 1)
-            if shared < MIN_SHARED_PREFIX:
-                self.prefix, self.prefix_states, self.cache = [], None, None
-                return capture_hidden_states(
-                    self.model, torch.tensor(ids, device=device), self.layer_ids
-                )
-            self.prefix, self.cache = ids[:shared], DynamicCache()
+        if self.prefix_states is None:
+            self.cache = DynamicCache()
             self.prefix_states = capture_hidden_states(
                 self.model, torch.tensor(self.prefix, device=device), self.layer_ids, self.cache
             )
-            p = shared
         rest = capture_hidden_states(
             self.model, torch.tensor(ids[p:], device=device), self.layer_ids, self.cache
         )
@@ -158,10 +171,14 @@ def write_hidden_states(
     with tqdm(
         total=len(dataset), initial=len(dataset) - len(todo), unit="sample", desc="Hidden states"
     ) as bar:
-        rows = (dataset[i]["input_ids"] for i in todo)
+        pending = set(todo)
+        rows = (dataset[i]["input_ids"] for i in range(len(dataset)))
         following = next(rows, None)
-        for i in todo:
+        for i in range(len(dataset)):
             row, following = following, next(rows, None)  # the next row: a shared prefix?
+            if i not in pending:
+                states_of.skip(row, following)
+                continue
             states = states_of(row, following)
             ids = torch.tensor(row, dtype=torch.long)
             tensors = stored_tensors(states.cpu(), ids, storage_dtype)

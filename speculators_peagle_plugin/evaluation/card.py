@@ -19,6 +19,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from ..common.paths import writing
 from ..common.settings import leaves
 from ..serving.model_card import CARD_FILE, EVALS, portable_path, read_card, write_eval_section
 from .eval_config import EvalConfig
@@ -140,5 +141,6 @@ def update_model_cards(record: dict, echo) -> None:
         entries = merge_entries(card[0].get(EVALS) or [], card_entries(record, draft["path"]))
         if not entries:
             continue
-        write_eval_section(draft["path"], eval_section(entries), entries, base_model)
+        with writing(Path(draft["path"]) / CARD_FILE, "the draft's model card"):
+            write_eval_section(draft["path"], eval_section(entries), entries, base_model)
         echo(f"model card: {Path(draft['path']) / CARD_FILE} (acceptance and speed)")

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..common.paths import writing
 from ..engine.counters import SpecDecodeCounters
 from ..engine.vllm_client import VllmJob
 
@@ -94,7 +95,10 @@ class FinishedCells:
         """Append the unit ``key`` with its cells' raw results, on disk before returning."""
         stamp = datetime.now(UTC).isoformat(timespec="seconds")
         line = json.dumps({"key": key, "results": results, "finished_utc": stamp}) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
+        # a line cut short by a full disk is dropped on the next open, as a killed one is
+        with writing(self.path, "a finished cell's line"), open(
+            self.path, "a", encoding="utf-8"
+        ) as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())

@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..common.files import atomic_write_text
+from ..common.paths import writing
 from ..engine.counters import SpecDecodeCounters
 from .plots import write_plots
 from .recommend import format_recommendation, recommend
@@ -291,8 +292,9 @@ def finish_record(record: dict, runs: list[dict], out_dir: Path, echo) -> None:
     record["runs"] = sorted(runs, key=lambda r: order.index(r["prompt_set"]))  # drafts, K kept
     compare_with_baseline(record["runs"])
     record["recommendation"] = recommend(record["runs"])
-    atomic_write_text(out_dir / "record.json", json.dumps(record, indent=1) + "\n")
-    figures = write_plots(record, out_dir)
+    with writing(out_dir / "record.json", "the eval's record and figures"):
+        atomic_write_text(out_dir / "record.json", json.dumps(record, indent=1) + "\n")
+        figures = write_plots(record, out_dir)
     echo(format_table(record["runs"]))
     if record["recommendation"]:
         echo(format_recommendation(record["recommendation"]))
