@@ -96,12 +96,15 @@ def float64_norms(monkeypatch):
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
 
 
-@pytest.mark.parametrize("seed,partitions,weights", [(0, 1, (0.0, 0.0)), (1, 3, (0.3, 0.0)),
-                                                     (2, 2, (0.0, 0.5))])
+@pytest.mark.parametrize("seed,partitions,weights,checkpointing", [
+    (0, 1, (0.0, 0.0), False), (1, 3, (0.3, 0.0), True), (2, 2, (0.0, 0.5), False)])
 def test_the_compiled_region_gives_the_eager_steps_loss_and_gradients(
-        region_on_cpu, float64_norms, seed, partitions, weights):
+        region_on_cpu, float64_norms, seed, partitions, weights, checkpointing):
     hard, tv = weights
     draft, ids, t2d = tiny_draft(seed, dtype=torch.float64, num_layers=2)
+    if checkpointing:  # activation checkpointing inside the region
+        draft.gradient_checkpointing_enable({"use_reentrant": False})
+    draft.train()
     batch = _batch(seed, 83, dtype=torch.float64)
     kw = {"hard_label_weight": hard, "tv_weight": tv}
     draft.attention_impl = "chunked"  # the CPU's eager block-sparse step
@@ -115,13 +118,22 @@ def test_the_compiled_region_gives_the_eager_steps_loss_and_gradients(
         torch.testing.assert_close(got[name], want[name], rtol=1e-8, atol=1e-12, msg=name)
 
 
-def test_the_region_is_for_cuda_and_flex_only():
+def test_the_region_is_for_cuda_and_flex_only_and_a_failure_is_kept_per_variant(monkeypatch):
     draft, _, _ = tiny_draft(0)
-    assert not draft_loss.region_runs(draft, torch.device("cpu"))
+    row = torch.zeros(3, 192)
+    key = draft_loss.step_key(draft, row)
+    assert key == ("the draft step (float32, 4/2 heads of 16)",)
+    assert not draft_loss.region_runs(draft, torch.device("cpu"), key)
     draft.attention_impl = "chunked"
-    assert not draft_loss.region_runs(draft, torch.device("cuda"))
+    assert not draft_loss.region_runs(draft, torch.device("cuda"), key)
     draft.attention_impl = "auto"
-    assert draft_loss.region_runs(draft, torch.device("cuda"))
+    assert draft_loss.region_runs(draft, torch.device("cuda"), key)
+    monkeypatch.setattr(flex, "compile_failures", {key: "NoValidChoicesError: x"})
+    assert not draft_loss.region_runs(draft, torch.device("cuda"), key)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = draft_loss.step_key(draft, row)
+    assert bf16 == ("the draft step (bfloat16, 4/2 heads of 16)",)
+    assert draft_loss.region_runs(draft, torch.device("cuda"), bf16)
 
 
 def test_a_failed_region_compile_is_logged_once_and_the_step_runs_eagerly(
@@ -142,9 +154,10 @@ def test_a_failed_region_compile_is_logged_once_and_the_step_runs_eagerly(
         first, _ = _step(_module(draft, ids, t2d, 0), batch)
         second, _ = _step(_module(draft, ids, t2d, 0), batch)
     assert calls == [1]
-    assert flex.compile_failures == {draft_loss.STEP: "RuntimeError: inductor says no"}
+    key = ("the draft step (float32, 4/2 heads of 16)",)
+    assert flex.compile_failures == {key: "RuntimeError: inductor says no"}
     assert [r.getMessage() for r in caplog.records if "compile failed" in r.getMessage()] == [
-        "the draft step compile failed (RuntimeError: inductor says no); it runs eagerly "
-        "around the attention instead."]
+        "the draft step (float32, 4/2 heads of 16) compile failed (RuntimeError: inductor "
+        "says no); it runs eagerly around the attention instead."]
     torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(second, want, rtol=1e-5, atol=1e-6)

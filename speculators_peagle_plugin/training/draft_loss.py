@@ -23,7 +23,6 @@ from ..kernels import flex
 from ..kernels.attention import resolve_attention_impl
 from ..kernels.fused_kl import LossConfig, fused_linear_kl, linear_kl
 
-STEP = ("the draft step",)  # its compile_failures key
 # The devices the region is compiled for: where flex attention is compiled with its
 # backward (Inductor's CPU flex kernel has none in torch 2.13).
 REGION_DEVICES = ("cuda",)
@@ -34,10 +33,11 @@ def row_loss(draft, sampled_ids, aux_row, context_positions, positions, masks, o
     """:func:`draft_loss` of one row's elements under their ``PEagleMask`` per layer:
     compiled where :func:`region_runs`, else op by op with the fused kernels."""
     weights = (loss.hard_label_weight, loss.tv_weight)
-    if region_runs(draft, sampled_ids.device):
-        out = compiled_draft_loss(draft, sampled_ids, aux_row, context_positions, positions,
-                                  [m.block_mask for m in masks], output_rows, targets,
-                                  target_rows, *weights)
+    key = step_key(draft, aux_row)
+    if region_runs(draft, sampled_ids.device, key):
+        out = compiled_draft_loss(key, draft, sampled_ids, aux_row, context_positions,
+                                  positions, [m.block_mask for m in masks], output_rows,
+                                  targets, target_rows, *weights)
         if out is not None:
             return out
     return draft_loss(draft, sampled_ids, aux_row, context_positions, positions, masks,
@@ -95,16 +95,30 @@ def draft_loss(
 _draft_loss_compiled = torch.compile(draft_loss, dynamic=True)
 
 
-def region_runs(draft: torch.nn.Module, device: torch.device) -> bool:
+def step_key(draft: torch.nn.Module, aux_row: torch.Tensor) -> tuple[str]:
+    """What a failed compile of the region is remembered by (its ``compile_failures`` key):
+    the compute dtype and the attention's heads, as flex attention's own failures are, so
+    one variant failing (float32 at some head layout) leaves the others compiled."""
+    attn = draft.layers[0].self_attn
+    config = draft.config.transformer_layer_config
+    device = aux_row.device.type
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+             else aux_row.dtype)
+    return (f"the draft step ({str(dtype).removeprefix('torch.')}, "
+            f"{config.num_attention_heads}/{config.num_key_value_heads} heads of "
+            f"{attn.head_dim})",)
+
+
+def region_runs(draft: torch.nn.Module, device: torch.device, key: tuple[str]) -> bool:
     """Whether this step runs as the compiled region: flex attention on a region device,
-    and no failed compile of the region yet."""
+    and no failed compile of the region for ``key`` (:func:`step_key`) yet."""
     return (device.type in REGION_DEVICES
             and resolve_attention_impl(draft.attention_impl, device) == "flex"
-            and STEP not in flex.compile_failures)
+            and key not in flex.compile_failures)
 
 
-def compiled_draft_loss(*args) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`draft_loss` compiled; ``None`` once its compile has failed (logged once, the
-    step then runs eagerly around compiled flex attention)."""
-    return flex._compiled_or_none(STEP, "it runs eagerly around the attention",
+def compiled_draft_loss(key: tuple[str], *args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`draft_loss` compiled; ``None`` once its compile has failed for ``key``
+    (logged once, the step then runs eagerly around compiled flex attention)."""
+    return flex._compiled_or_none(key, "it runs eagerly around the attention",
                                   _draft_loss_compiled, *args)
