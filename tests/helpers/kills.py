@@ -32,6 +32,7 @@ PRELOAD = (
     "transformers", "datasets", "safetensors.torch", "transformers.models.llama",
     "matplotlib.pyplot",
 )
+LIMIT_S = 300.0  # a run that has not ended by then is killed (and reported as killed)
 
 
 def kill_times(seed: int, n: int, seconds: float) -> list[float]:
@@ -121,12 +122,12 @@ def _serve() -> None:
         if pid == 0:
             _child(request)
         killed, status = False, None
-        deadline = None if request["kill_after"] is None else began + request["kill_after"]
+        deadline = began + (LIMIT_S if request["kill_after"] is None else request["kill_after"])
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)
             if done:
                 status = raw
-            elif deadline is not None and time.monotonic() >= deadline:
+            elif time.monotonic() >= deadline:
                 try:
                     os.killpg(pid, signal.SIGKILL)
                     killed = True
