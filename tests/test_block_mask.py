@@ -47,7 +47,10 @@ def _elements(seed, length, window, drop, depths=6):
     return anchor, depth, doc, PEagleMask(anchor, depth, doc, window, "flex").mask_mod
 
 
-CASES = list(itertools.product((0, 1, 2), (37, 300), (None, 1, 3, 17), (False, True), (16, 128)))
+# ragged rows of several documents and padding: both sizes, windows down to 1, elements
+# dropped as a partition's are, 16-element blocks (many per row) and flex's 128
+CASES = [*itertools.product((0, 1, 2), (37, 300), (None, 1, 3, 17), (False, True), (16,)),
+         *itertools.product((3,), (300,), (None, 17), (False, True), (128,))]
 
 
 @pytest.mark.parametrize("seed,length,window,drop,block", CASES)

@@ -17,7 +17,7 @@ from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.kernels import block_sparse
 from speculators_peagle_plugin.selftest import checks, command
 from speculators_peagle_plugin.selftest.shapes import SHAPES
-from speculators_peagle_plugin.training import peagle_trainer
+from speculators_peagle_plugin.training import draft_loss, peagle_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,8 @@ def test_a_planted_wrong_loss_or_plan_fails_its_step_check(monkeypatch, name, pl
     """A loss 0.1% too large (inside bfloat16's tolerance), or segments that read too
     little context (the flat step is right): the check meant for it FAILs, alone."""
     if name:
-        monkeypatch.setattr(peagle_trainer, name, plant(getattr(peagle_trainer, name)))
+        owner = draft_loss if name == "fused_linear_kl" else peagle_trainer
+        monkeypatch.setattr(owner, name, plant(getattr(owner, name)))
     found = checks.step_checks(SHAPES["tiny"], torch.device("cpu"), range(1), 61)
     failed = [c.name for c in found if c.status == "FAIL"]
     assert failed == ([fails] if fails else []), [c.line() for c in found]
@@ -257,7 +258,7 @@ def test_a_sides_note_names_only_the_compile_failures_of_its_own_steps(monkeypat
     from speculators_peagle_plugin.kernels import flex
     from speculators_peagle_plugin.selftest import perf
 
-    def fake_ours(shape, device, autocast):
+    def fake_ours(shape, device, autocast, window):
         def step(batch, index):
             flex.compile_failures[("bfloat16", 32, 8, 128, 128)] = "NoValidChoicesError: x"
             return 1.0

@@ -10,9 +10,10 @@ from the aux states to the summed loss: the fc projection, every layer with
 the norms, rotary and softmaxes into the matmuls' neighbours, where eagerly each is a pass
 over memory. What has data-dependent sizes stays outside, in Python: COD sampling, the
 partition plan, the ``BlockMask`` (read off the layout, :mod:`..kernels.cod_block_mask`),
-the charged rows and the target logits. So the region has no graph break, and
-``dynamic=True`` keeps one graph across rows of every length (tests/test_draft_loss.py
-counts both on the CPU, where graph capture is the same as on CUDA).
+the charged rows and the target logits. So the region has no graph break, and with
+``dynamic=True`` a new row length compiles nothing new once the few size specialisations
+(a one-block segment, a row all of whose positions are context) have been seen
+(tests/test_draft_loss.py counts both on the CPU, where graph capture is as on CUDA).
 """
 
 from __future__ import annotations
