@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 # GPU. `speculators-peagle selftest --device cuda` checks that this compile succeeds on the
 # user's torch (docs/selftest.md says what the first GPU runs found).
 _peagle_flex_attention_compiled = torch.compile(flex_attention)
-# Why the compiled kernel failed, in one line, per call signature (dtype, heads, head dims)
-# once it has; every later call of that signature is refused.
+# Why a compile failed, in one line, per call signature (dtype, heads, head dims), or per
+# compiled region (a one-string key naming it and its variant) once it has; every later
+# call of that key is refused.
 compile_failures: dict[tuple, str] = {}
 _peagle_flex_attention_compile_failed = False  # True once any compile has failed
 
