@@ -84,8 +84,7 @@ SELFTEST_MODULES = (
     "transformers.models.qwen3.modeling_qwen3",
 )
 # Both sides at 8K and 32K tokens, ours also at 64K and 128K in partitions, the longest row
-# per side, and a profiler table per side at 8K: about 6 of the loan's 15 minutes on one
-# H100 or H200 (budgeted in docs/selftest.md), so a fixed rerun fits.
+# per side, and a profiler table per side at 8K; its time budget is in docs/selftest.md.
 RUN_ARGS = ("--device cuda --shape llama8b --seq-lens 8192,32768 --ours-seq-lens 65536,131072 "
             "--profile")
 RECORD = '"${OUT:-.}/selftest-cuda.json"'  # $OUT: what the device tool sends back
