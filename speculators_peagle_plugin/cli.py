@@ -12,6 +12,7 @@ import click
 from .common.paths import check_output_dir
 from .datagen.build_data import generate_data as run_generation
 from .datagen.datagen_config import DataGenConfig
+from .datagen.join import JoinConfig, join_data
 from .demo.demo_config import DemoConfig
 from .demo.pipeline import run_demo
 from .evaluation.eval_config import EvalConfig
@@ -62,6 +63,15 @@ def generate_data(config: DataGenConfig) -> None:
         f"({data.num_loss_tokens} supervised), hidden states [seq, {data.num_aux_layers + 1}, "
         f"{data.hidden_size}]."
     )
+
+
+@main.command("join-data")
+@config_command(JoinConfig)
+def join_data_command(config: JoinConfig) -> None:
+    """Join the parts of generate-data --shard I/N into the data one run makes."""
+    _log_info()
+    data = join_data(config)
+    click.echo(f"{data.path}: {data.num_samples} samples, {sum(data.lengths)} tokens.")
 
 
 @main.command()

@@ -82,7 +82,7 @@ def _decorator(leaf: Leaf, repr_defaults: bool):
     shown = repr(leaf.default) if repr_defaults else meta.get("show", leaf.default)
     kwargs = {"help": leaf.help + ("" if shown is None else f" [default: {shown}]")}
     if meta.get("argument"):
-        return click.argument(leaf.key, required=False)
+        return click.argument(leaf.key, required=False, nargs=-1 if meta.get("multiple") else 1)
     decls = [d for d in (meta.get("short"), leaf.flag) if d]
     base = _base(leaf.hint)
     if base is bool and not (meta.get("negate") or meta.get("switch")):

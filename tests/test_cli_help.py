@@ -20,7 +20,8 @@ from speculators_peagle_plugin.cli import main
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_help.txt"
 COMMANDS = [
-    "", "algorithms", "generate-data", "train", "check", "export", "eval", "demo", "selftest",
+    "", "algorithms", "generate-data", "join-data", "train", "check", "export", "eval", "demo",
+    "selftest",
 ]
 # Wide enough that click never wraps a help text (it still moves a long option's text to
 # the next line); the golden file was rendered the same way.

@@ -10,6 +10,10 @@ On-disk layout (speculators' format), one directory ``DIR``:
                                                      float8 storage: :mod:`.storage`)
     DIR/token_freq.pt, d2t-<V>.npy, t2d-<V>.npy      draft vocabulary (d2t holds OFFSETS)
     DIR/generation_settings.json                     what generate-data was run with (this plugin)
+    DIR/row_prompts.json                             the prompt each dataset row answers (its
+                                                     index in the prompt set; this plugin)
+    DIR/replicas/                                    the parts of --data-parallel-size replicas
+                                                     until they are joined into DIR
     DIR/vllm.log                                     what vLLM printed (``--backend vllm``)
     DIR/vllm-capture.log                             what vLLM printed capturing hidden states
 
@@ -29,6 +33,8 @@ from ..common.errors import UserError
 
 HIDDEN_STATES_DIR = "hidden_states"
 SETTINGS_FILE = "generation_settings.json"
+ROW_PROMPTS_FILE = "row_prompts.json"  # [rows]: the index of the prompt each row answers
+REPLICAS_DIR = "replicas"  # generate-data --data-parallel-size: the replicas' parts
 RESPONSES_DIR = "responses"  # regenerated rows per batch of prompts: generation resume state
 TOKEN_FREQ_FILE = "token_freq.pt"
 VLLM_LOG_FILE = "vllm.log"

@@ -20,7 +20,9 @@ from ..common.reading import read_json
 from ..data.dataset import TrainingData, open_training_data
 from ..data.layout import (
     HIDDEN_STATES_DIR,
+    REPLICAS_DIR,
     RESPONSES_DIR,
+    ROW_PROMPTS_FILE,
     SETTINGS_FILE,
     TOKEN_FREQ_FILE,
     default_target_layer_ids,
@@ -31,6 +33,7 @@ from .capture import write_hidden_states
 from .capture_vllm import place_recorded, recording_spec, write_hidden_states_vllm
 from .datagen_config import DataGenConfig
 from .generation import Target, generate_responses
+from .shard_plan import record_span, shard_record
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,10 @@ logger = logging.getLogger(__name__)
 IDENTITY_KEYS = (
     "target", "prompts", "max_samples", "target_layer_ids", "max_new_tokens",
     "temperature", "top_p", "seed", "dtype", "backend", "num_samples", "hidden_states_dtype",
-    "contamination_guard",
+    "contamination_guard", "shard",
 )
 # The value of a later identity key in data made before it existed.
-_BEFORE_KEY = {"contamination_guard": False}
+_BEFORE_KEY = {"contamination_guard": False, "shard": None}
 
 
 def _settings(config: DataGenConfig, model_config) -> dict:
@@ -69,8 +72,11 @@ def _settings(config: DataGenConfig, model_config) -> dict:
         target_hidden_size=text_config.hidden_size,
         target_num_layers=num_layers,
     )
-    for key in ("output", "batch_size", "draft_vocab_size", "device", "kv_cache_gb"):
+    for key in (
+        "output", "batch_size", "draft_vocab_size", "device", "kv_cache_gb", "data_parallel_size"
+    ):
         del settings[key]  # free to change between a run and its resume
+    # a part's record (shard_plan.shard_record) needs the prompts: _output_of completes it
     return settings
 
 
@@ -96,8 +102,13 @@ def _check_output(output: Path, settings: dict) -> bool:
     return False
 
 
-def _write_dataset(rows: list[dict], output: Path, tokenizer) -> None:
-    """The Arrow dataset (speculators' own pass-through preprocessing) + token_freq.pt."""
+def write_dataset(rows: list[dict], prompts: list[int], output: Path, tokenizer) -> None:
+    """The Arrow dataset (speculators' own pass-through preprocessing), ``token_freq.pt``, and
+    the prompt of each dataset row (``ROW_PROMPTS_FILE``: ``prompts[k]`` is the index of the
+    prompt ``rows[k]`` answers).
+
+    speculators drops the rows without a supervised token; the others keep their order.
+    ``tokenizer`` only tells speculators the rows are text (None says the same)."""
     from datasets import Dataset
     from speculators.data_generation.preprocessing import build_speculator_training_dataset
     from speculators.train.vocab_mapping import save_token_frequency_distribution
@@ -109,6 +120,9 @@ def _write_dataset(rows: list[dict], output: Path, tokenizer) -> None:
     dataset = build_speculator_training_dataset(raw, tokenizer, max_length=longest, num_proc=1)
     if len(dataset) == 0:
         raise UserError("No regenerated conversation has a supervised token; nothing to write.")
+    kept = [i for i, r in zip(prompts, rows, strict=True) if any(r["loss_mask"])]
+    assert len(kept) == len(dataset), "speculators kept other rows than the supervised ones"
+    atomic_write_json(output / ROW_PROMPTS_FILE, kept, indent=None)
     # The dataset's files join settings and resume state in ``output``, so they are moved in
     # one by one rather than as one directory.
     staging = temporary_name(output / "dataset")
@@ -131,14 +145,27 @@ def generate_data(config: DataGenConfig) -> TrainingData:
     ``config.draft_vocab_size``. Re-running skips what is complete and valid; every file is
     written under a temporary name and renamed. Returns the opened data.
     """
+    if config.data_parallel_size > 1:
+        from .replicas import generate_with_replicas
+
+        return generate_with_replicas(config)
     output = Path(config.output)
-    with _output_of(config) as (settings, target, prompts):
-        estimate = storage_estimate(
-            config, settings, target.tokenizer, prompts, output / HIDDEN_STATES_DIR
-        )
-        logger.info(estimate.summary())
-        check_free_space(output, estimate)
+    with open_output(config) as (settings, target, prompts):
+        check_storage(config, settings, target, prompts)
         return _generate(config, output, settings, target, prompts)
+
+
+def check_storage(config: DataGenConfig, settings: dict, target, prompts) -> None:
+    """Log the projected disk use of the prompts of this part and refuse to start when
+    ``config.output``'s disk cannot hold it."""
+    n, output = config.replies.num_samples, Path(config.output)
+    start, stop = record_span(settings["shard"], len(prompts) * n)
+    estimate = storage_estimate(  # its pieces hold whole prompts
+        config, settings, target.tokenizer, prompts[start // n : stop // n + (stop % n > 0)],
+        output / HIDDEN_STATES_DIR,
+    )
+    logger.info(estimate.summary())
+    check_free_space(output, estimate)
 
 
 def generate_replies(config: DataGenConfig) -> Path:
@@ -151,18 +178,19 @@ def generate_replies(config: DataGenConfig) -> Path:
     directory.
     """
     output = Path(config.output)
-    with _output_of(config) as (settings, target, prompts):
+    with open_output(config) as (settings, target, prompts):
         _write_replies(config, output, settings, target, prompts)
     return output
 
 
 @contextmanager
-def _output_of(config: DataGenConfig):
+def open_output(config: DataGenConfig):
     """``(settings, target, prompts)`` while ``config.output`` is locked and checked.
 
     Everything that can reject the input runs before the output directory is touched.
     ``settings`` gains the contamination guard's record (``contamination``: what it checked
-    and how many prompts it dropped; None with the guard off), written with the data.
+    and how many prompts it dropped; None with the guard off), written with the data, and
+    its ``shard`` the part's record (:func:`~.shard_plan.shard_record`).
     """
     from transformers import AutoConfig
 
@@ -171,10 +199,14 @@ def _output_of(config: DataGenConfig):
     if output.is_file():
         raise UserError(f"--output {output} is a file; choose a new or empty directory.")
     with exclusive_directory(output, "generate-data"):
-        _check_output(output, settings)
         prompts, settings["contamination"] = read_training_prompts(
             config.prompts, config.max_samples, config.contamination_guard
         )
+        conversations = len(prompts) * config.replies.num_samples
+        settings["shard"] = shard_record(
+            config.part, conversations, config.replies.batch_size, config.replies.num_samples
+        )
+        _check_output(output, settings)
         with writing(output, "the generated data"):  # each file is whole or absent
             yield settings, Target(config), prompts
 
@@ -190,8 +222,12 @@ def _write_replies(
     for directory in (output, output / HIDDEN_STATES_DIR, output / RESPONSES_DIR):
         remove_stale_temporaries(directory)
     if not ((output / "state.json").exists() and (output / TOKEN_FREQ_FILE).exists()):
-        rows = generate_responses(target, prompts, output, record)
-        _write_dataset(rows, output, target.tokenizer)
+        conversations = len(prompts) * config.replies.num_samples
+        span = record_span(settings["shard"], conversations)
+        made = generate_responses(target, prompts, output, record, span)
+        rows = [row for _, row in made]
+        n = config.replies.num_samples
+        write_dataset(rows, [c // n for c, _ in made], output, target.tokenizer)
     shutil.rmtree(output / RESPONSES_DIR, ignore_errors=True)
 
 
@@ -202,6 +238,7 @@ def _generate(config: DataGenConfig, output: Path, settings: dict, target, promp
         record = recording_spec(output, layer_ids, settings["target_num_layers"])
     _write_replies(config, output, settings, target, prompts, record)
     _write_hidden_states(config, target, output, layer_ids, settings)
+    shutil.rmtree(output / REPLICAS_DIR, ignore_errors=True)  # a stopped replicas' run's
     data = open_training_data(output, num_aux_layers=len(layer_ids))
     data.vocab_mapping(config.draft_vocab_size)
     return data

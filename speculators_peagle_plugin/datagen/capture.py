@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
-from ..data.layout import HIDDEN_STATES_DIR, hs_path
+from ..common.reading import read_json
+from ..data.layout import HIDDEN_STATES_DIR, ROW_PROMPTS_FILE, DataError, hs_path
 from ..data.storage import stored_tensors
 from ..model.target import FinalNormInput
 
@@ -66,6 +67,9 @@ class _PrefixStates:
     The prefix is the longest one the current row shares with the next (at least
     ``MIN_SHARED_PREFIX`` tokens, and shorter than both); a row that does not start with the
     current prefix gets a plain forward. Same states as a full forward up to float rounding.
+    The caller confines the rule to the rows of one prompt (:meth:`forget` at each new prompt,
+    no next row past its last): the states of a row then depend on its prompt's rows alone, so
+    a part of the data (``--shard``) computes them as the run over all of it does, to the bit.
     """
 
     def __init__(self, model, layer_ids: tuple[int, ...]):
@@ -83,6 +87,11 @@ class _PrefixStates:
         shared = 0 if next_ids is None else _shared_prefix(ids, next_ids)
         shared = min(shared, len(ids) - 1, len(next_ids or ()) - 1)
         self.prefix = ids[:shared] if shared >= MIN_SHARED_PREFIX else []
+        self.prefix_states = self.cache = None
+
+    def forget(self) -> None:
+        """Start afresh: the next row shares no prefix with the rows before it."""
+        self.prefix = []
         self.prefix_states = self.cache = None
 
     def skip(self, ids: list[int], next_ids: list[int] | None) -> None:
@@ -168,6 +177,7 @@ def write_hidden_states(
     dataset, hs_dir, todo = pending_rows(output, (len(layer_ids) + 1, hidden_size))
     start, tokens = time.perf_counter(), 0
     states_of = _PrefixStates(model, layer_ids)
+    prompt = row_prompts(output, len(dataset))
     with tqdm(
         total=len(dataset), initial=len(dataset) - len(todo), unit="sample", desc="Hidden states"
     ) as bar:
@@ -176,10 +186,16 @@ def write_hidden_states(
         following = next(rows, None)
         for i in range(len(dataset)):
             row, following = following, next(rows, None)  # the next row: a shared prefix?
+            neighbour = following
+            if prompt is not None:
+                if i and prompt[i] != prompt[i - 1]:
+                    states_of.forget()
+                if following is not None and prompt[i + 1] != prompt[i]:
+                    neighbour = None
             if i not in pending:
-                states_of.skip(row, following)
+                states_of.skip(row, neighbour)
                 continue
-            states = states_of(row, following)
+            states = states_of(row, neighbour)
             ids = torch.tensor(row, dtype=torch.long)
             tensors = stored_tensors(states.cpu(), ids, storage_dtype)
             atomic_write(hs_path(hs_dir, i), lambda tmp, t=tensors: save_safetensors(t, tmp))
@@ -189,6 +205,21 @@ def write_hidden_states(
     if todo:
         log_capture(len(todo), tokens, start, "transformers")
     return len(todo)
+
+
+def row_prompts(output: Path, rows: int) -> list[int] | None:
+    """The prompt each of the ``rows`` dataset rows of ``output`` answers; None for data
+    written before ``ROW_PROMPTS_FILE`` was (its rows' shared prefixes span prompts)."""
+    path = output / ROW_PROMPTS_FILE
+    if not path.exists():
+        return None
+    prompt = read_json(path, list)
+    if len(prompt) != rows:
+        raise DataError(
+            f"{path} does not name the prompt of each of the {rows} dataset rows; delete it "
+            "and the dataset's files to rebuild them."
+        )
+    return prompt
 
 
 def pending_rows(output: Path, shape_tail: tuple[int, int]):

@@ -24,6 +24,7 @@ from ..common.settings import (
 from ..data.prompts import prompt_source_exists
 from ..data.storage import FLOAT8
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
+from .shard_plan import WHOLE, Shard
 
 BACKENDS = ("transformers", "vllm")
 # what computes the hidden states: a pass over the rows (a backend), or the replies' engine
@@ -116,6 +117,13 @@ class DataGenConfig(Settings):
         hidden_states_dtype: ``target`` stores them in ``dtype``; ``float8`` in hs_connectors'
             8-bit format (float8_e4m3fn, one float32 scale per token), read back dequantized.
         tensor_parallel_size: vLLM's tensor parallel size (GPUs per engine).
+        data_parallel_size: replicas of the whole generation on this machine, each a process
+            of its own making a part of the conversations (:mod:`.shard_plan`), joined into
+            ``output`` when all are done (:mod:`.replicas`): on CUDA each gets
+            ``tensor_parallel_size`` GPUs of its own; on CPU each its share of the cores.
+        shard: ``"I/N"``: make only part ``I`` (from 0) of ``N`` of the data, for the same
+            command run on ``N`` machines; ``join-data`` joins the parts into the data one run
+            makes. None = all of it.
         kv_cache_gb: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = vLLM's default.
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
@@ -153,7 +161,21 @@ class DataGenConfig(Settings):
         choices=STORAGE_DTYPES,
     )
     tensor_parallel_size: int = setting(1, "vLLM's tensor parallel size (vllm only).")
-    kv_cache_gb: int | None = setting(None, "vLLM's CPU KV cache in GiB (vllm backend).")
+    data_parallel_size: int = setting(
+        1,
+        "Replicas on this machine, each making its part of the data: one per "
+        "--tensor-parallel-size GPUs on CUDA, or CPU processes sharing the cores; joined into "
+        "--output at the end.",
+    )
+    shard: str | None = setting(
+        None,
+        "I/N: make only part I (counted from 0) of N, to run the same command on N machines; "
+        "join-data joins the parts.",
+        show=None,
+    )
+    kv_cache_gb: int | None = setting(
+        None, "vLLM's CPU KV cache in GiB (vllm backend; per replica)."
+    )
     target_layer_ids: tuple[int, ...] | None = setting(
         None, "Aux layer ids, e.g. 2,15,27.", show="2,N//2,N-3"
     )
@@ -185,10 +207,17 @@ class DataGenConfig(Settings):
         """The stored hidden states' dtype name (a DTYPES name or ``"float8"``)."""
         return self.dtype if self.hidden_states_dtype == "target" else self.hidden_states_dtype
 
+    @property
+    def part(self) -> Shard:
+        """The part of the data this run makes (``WHOLE`` without ``--shard``)."""
+        return WHOLE if self.shard is None else Shard.parse(self.shard)
+
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("draft_vocab_size", "tensor_parallel_size"):
+        for name in ("draft_vocab_size", "tensor_parallel_size", "data_parallel_size"):
             check_int_at_least(name, getattr(self, name), 1)
+        if self.shard is not None:
+            Shard.parse(self.shard)
         check_optional_ints(self, {"kv_cache_gb": 1, "max_samples": 1})
         check_int_at_least("seed", self.seed, 0)
         if self.hidden_states_from == "generation" and self.replies.backend != "vllm":

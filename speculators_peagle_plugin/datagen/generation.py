@@ -285,12 +285,16 @@ class _ShardFiles:
 
 
 def generate_responses(
-    target: Target, prompts: list[list[dict]], output: Path, record: dict | None = None
-) -> list[dict]:
-    """The target's replies to every prompt; resumable per shard. Rows in prompt order.
+    target: Target, prompts: list[list[dict]], output: Path, record: dict | None = None,
+    span: tuple[int, int] | None = None,
+) -> list[tuple[int, dict]]:
+    """The target's replies to the conversations ``span`` (``[start, stop)``, None = all);
+    resumable per shard. ``(conversation, row)`` pairs in conversation order.
 
-    With ``num_samples`` n, prompt i is conversation ``i // n`` (its ``i % n``-th sample).
-    ``record`` as in :meth:`Target.generate`.
+    With ``num_samples`` n, conversation c is prompt ``c // n`` (its ``c % n``-th sample).
+    Conversations keep their global index (their seeds, their resume files), so a part
+    makes what the run over all of them makes for it (:mod:`.shard_plan`). ``record`` as in
+    :meth:`Target.generate`.
     """
     from tqdm import tqdm
 
@@ -299,19 +303,21 @@ def generate_responses(
     responses = output / RESPONSES_DIR
     responses.mkdir(exist_ok=True)
     done = _done_shards(responses)
-    todo = [i for i in range(len(prompts)) if i not in done]
+    start, stop = (0, len(prompts)) if span is None else span
+    todo = [i for i in range(start, stop) if i not in done]
     vllm = cfg.replies.backend == "vllm"
     shard_size = cfg.replies.batch_size * (VLLM_BATCHES_PER_SHARD if vllm else 1)
     job_size = shard_size * (VLLM_SHARDS_PER_JOB if vllm else 1)
-    start, tokens = time.perf_counter(), 0
+    began, tokens = time.perf_counter(), 0
     with (
         target.generator(output / VLLM_LOG_FILE) if todo else nullcontext(),
-        tqdm(total=len(prompts), initial=len(done), unit="reply", desc="Generating") as bar,
+        tqdm(total=stop - start, initial=stop - start - len(todo), unit="reply",
+             desc="Generating") as bar,
     ):
 
         def live(event: dict) -> None:
             if event["event"] == "progress":
-                rate = (tokens + event["output_tokens"]) / (time.perf_counter() - start)
+                rate = (tokens + event["output_tokens"]) / (time.perf_counter() - began)
                 bar.set_postfix(tok_s=f"{rate:.1f}")
 
         for j in range(0, len(todo), job_size):
@@ -321,11 +327,11 @@ def generate_responses(
             tokens += _regenerate(
                 target, conversations, job, cfg.seed, shards.complete, live, record
             )
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - began):.1f}")
     if todo:
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - began
         logger.info(
             "Generated %d reply tokens for %d replies in %.1f s (%.1f tokens/s).",
             tokens, len(todo), elapsed, tokens / elapsed,
         )
-    return [row for i in range(len(prompts)) for row in done[i]]
+    return [(i, row) for i in range(start, stop) for row in done[i]]
