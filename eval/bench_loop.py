@@ -63,7 +63,7 @@ def run_bare(args) -> list[float]:
         params = [p for p in module.parameters() if p.requires_grad]
         for step, batch in enumerate(batches):
             began = time.perf_counter()
-            setup.optimizer.zero_grad(set_to_none=True)
+            setup.optimizers.zero_grad(set_to_none=True)
             module.generator = cod_generator(config.seed, step, 0, setup.world.device)
             if config.peagle.sequence_partitions > 1:
                 plan = module.build_peagle_plan(
@@ -78,8 +78,8 @@ def run_bare(args) -> list[float]:
                 out.loss.backward()
             if config.optimizer.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
-            setup.optimizer.step()
-            setup.scheduler.step()
+            setup.optimizers.step()
+            setup.schedulers.step()
             times.append(time.perf_counter() - began)
     return times[args.warmup :]
 

@@ -118,21 +118,26 @@ def test_killed_and_resumed_equals_uninterrupted(workdir, tmp_path, sig):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("partitions", "wrapper"), [(1, "ddp"), (3, "ddp"), (3, "fsdp")])
-def test_two_ranks_equal_one_process_on_the_global_batch(workdir, tmp_path, partitions, wrapper):
+@pytest.mark.parametrize(("partitions", "wrapper", "optimizer"), [
+    (1, "ddp", "adamw"), (3, "ddp", "adamw"), (3, "fsdp", "adamw"), (1, "ddp", "muon"),
+    (3, "fsdp", "muon"),
+])
+def test_two_ranks_equal_one_process_on_the_global_batch(
+    workdir, tmp_path, partitions, wrapper, optimizer
+):
     save = tmp_path / "ddp"
-    port = 29500 + partitions + 10 * (wrapper == "fsdp")
+    port = 29500 + partitions + 10 * (wrapper == "fsdp") + 20 * (optimizer == "muon")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_port", str(port), "-m", "speculators_peagle_plugin",
         *train_args(workdir, save, "--max-steps", "1", "--sequence-partitions", str(partitions)),
-        *(["--fsdp"] if wrapper == "fsdp" else []),
+        *(["--fsdp"] if wrapper == "fsdp" else []), "--optimizer", optimizer,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     ddp = final_weights(save)
-    ref = reference_step(workdir, tmp_path / "ref", partitions)
+    ref = reference_step(workdir, tmp_path / "ref", partitions, optimizer=optimizer)
     initial = build_training(config_for(workdir, tmp_path / "init")).draft.state_dict()
     changed = 0
     for key, value in ddp.items():

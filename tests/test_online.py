@@ -53,7 +53,7 @@ def one_step(setup, epoch=0, index=0):
     """``(batch, loss, {name: grad})`` of one step of ``setup`` (no optimizer step)."""
     batch = setup.batches.batch(epoch, index)
     step = epoch * len(setup.batches) + index
-    setup.optimizer.zero_grad(set_to_none=True)
+    setup.optimizers.zero_grad(set_to_none=True)
     stats = train_step(setup.wrapped, setup.module, batch, setup.config, setup.world, step)
     grads = {n: p.grad.clone() for n, p in setup.draft.named_parameters() if p.grad is not None}
     return batch, float(stats["loss_sum"] / stats["total_den"]), grads

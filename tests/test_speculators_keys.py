@@ -39,13 +39,11 @@ def test_every_speculators_key_has_an_answer_and_works_ones_are_ours():
         if answer.accepted is not None and answer.ours is None:  # a fixed behaviour
             default = PEAGLE_DEFAULTS.get(name.rsplit(".", 1)[-1])
             assert answer.accepted, name
-            assert default in answer.accepted or name in ONLY_NOT_AT_DEFAULT, name
+            assert default in answer.accepted, name
 
 
 # speculators' defaults for a P-EAGLE run (some derive from speculator_type)
 PEAGLE_DEFAULTS = SpeculatorsConfig.from_flat({"speculator_type": "peagle"}).flatten()
-# speculators' default is a behaviour ours lacks: the key must be named with ours
-ONLY_NOT_AT_DEFAULT = {"optimizer.optimizer"}
 
 
 def test_the_docs_table_is_the_answers():
@@ -103,9 +101,9 @@ def test_our_flat_and_sectioned_yaml_still_load(workdir, tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("optimizer.optimizer", "muon", "speculators key optimizer.optimizer: 'muon' in RUN is not "
-     "taken here (AdamW only; speculators' default is muon, so name adamw); leave it out or "
-     "give adamw."),
+    ("verifier.trust_remote_code", True, "speculators key verifier.trust_remote_code: True in "
+     "RUN is not taken here (targets load with transformers' own architectures only); leave "
+     "it out or give False."),
     ("draft.token_freq_path", "/f.pt", "speculators key draft.token_freq_path: '/f.pt' in RUN "
      "is not taken here (the draft vocabulary is counted from the data (its token_freq.pt)); "
      "leave it out."),

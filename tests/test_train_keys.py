@@ -132,8 +132,8 @@ def test_a_run_from_pretrained_starts_from_its_weights_at_step_0(
         assert torch.equal(state[name], tensor), name
     fresh = build_training(config_for(workdir, tmp_path / "fresh")).draft.state_dict()
     assert not torch.equal(fresh["mask_hidden"], saved["mask_hidden"])  # equal by loading
-    assert setup.resume is None and len(setup.optimizer.state) == 0
-    assert setup.scheduler.last_epoch == 0
+    assert setup.resume is None and not any(o.state for o in setup.optimizers)
+    assert [s.last_epoch for s in setup.schedulers] == [0]
     args = train_args(workdir, save, "--max-steps", "2", "--from-pretrained", str(path))
     code, out = run_cli(args)
     assert code == 0, out

@@ -2,14 +2,14 @@
 
 A checkpoint holds the draft in speculators format (``save_pretrained``: ``config.json`` +
 ``model.safetensors``, loadable by ``SpeculatorModel.from_pretrained`` and vLLM) and
-``training_state.pt`` (optimizer, scheduler, step, config, RNG) for ``--resume``.
+``training_state.pt`` (optimizers, schedulers, step, config, RNG) for ``--resume``.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,13 @@ from ..common.errors import UserError
 from ..common.files import atomic_directory
 from ..common.paths import check_free_space, writing
 from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
-from ..common.settings import check_finite, check_int_at_least, check_optional_ints, setting
+from ..common.settings import (
+    check_finite,
+    check_int_at_least,
+    check_optional_ints,
+    leaves,
+    setting,
+)
 from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
 from ..serving.model_card import write_model_card
@@ -118,14 +124,16 @@ def _model_state(wrapped: nn.Module, draft: nn.Module, config: TrainConfig, worl
     return {k: v.detach().cpu() for k, v in draft.state_dict().items()}
 
 
-def _optim_state(wrapped, optimizer, config: TrainConfig, world: World):
+def _optim_state(wrapped, optimizers, config: TrainConfig, world: World):
+    """Sharded: one full state of all the optimizers, keyed by parameter name (how
+    ``set_optimizer_state_dict`` reads it back); else :meth:`Optimizers.state_dict`."""
     if sharded(config.runtime, world):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(
-            wrapped, optimizer, options=_full_state_options(cpu_offload=True)
+            wrapped, list(optimizers), options=_full_state_options(cpu_offload=True)
         )
-    return optimizer.state_dict()
+    return optimizers.state_dict()
 
 
 def _nbytes(state) -> int:
@@ -162,8 +170,8 @@ def save_checkpoint(
     *,
     wrapped: nn.Module,
     draft: nn.Module,
-    optimizer,
-    scheduler,
+    optimizers,
+    schedulers,
     config: TrainConfig,
     world: World,
 ) -> Path:
@@ -174,7 +182,7 @@ def save_checkpoint(
     :class:`~..common.errors.DiskFull` saying what it needed.
     """
     model_state = _model_state(wrapped, draft, config, world)
-    optim_state = _optim_state(wrapped, optimizer, config, world)
+    optim_state = _optim_state(wrapped, optimizers, config, world)
     final = save_path / f"{CHECKPOINT_PREFIX}{step}"
     if world.rank == 0:
         need = _nbytes(model_state) + _nbytes(optim_state)
@@ -184,7 +192,7 @@ def save_checkpoint(
             state = {
                 "step": step,
                 "optimizer": optim_state,
-                "scheduler": scheduler.state_dict(),
+                "scheduler": schedulers.state_dict(),
                 "config": config.to_dict(),
                 "torch_rng": torch.get_rng_state(),
             }
@@ -271,10 +279,17 @@ def _comparable(name: str, value):
 
 
 def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
+    """Refuse, in one sentence, a resumption whose settings differ from the checkpoint's.
+
+    A setting the checkpoint does not record is younger than it: its run had the setting's
+    default (an AdamW checkpoint of before ``--optimizer`` existed resumes only as adamw).
+    """
     current = config.to_dict()
+    defaults = {leaf.key: leaf.default for leaf in leaves(type(config))}
+    recorded = {k: v for k, v in defaults.items() if v is not MISSING} | point.state["config"]
     changed = sorted(
         k
-        for k, v in point.state["config"].items()
+        for k, v in recorded.items()
         if k not in RESUMABLE_CHANGES and _comparable(k, current.get(k)) != _comparable(k, v)
     )
     if changed:
@@ -285,8 +300,10 @@ def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
         )
 
 
-def load_checkpoint(point: ResumePoint, wrapped, draft, optimizer, scheduler, config, world) -> int:
-    """Restore weights, optimizer, scheduler and RNG from ``point``; returns its step."""
+def load_checkpoint(
+    point: ResumePoint, wrapped, draft, optimizers, schedulers, config, world
+) -> int:
+    """Restore weights, optimizers, schedulers and RNG from ``point``; returns its step."""
     state, weights = point.state, point.weights
     if sharded(config.runtime, world):
         from torch.distributed.checkpoint.state_dict import (
@@ -298,11 +315,11 @@ def load_checkpoint(point: ResumePoint, wrapped, draft, optimizer, scheduler, co
         set_model_state_dict(
             wrapped, {f"{_DRAFT_PREFIX}{k}": v for k, v in weights.items()}, options=opts
         )
-        set_optimizer_state_dict(wrapped, optimizer, state["optimizer"], options=opts)
+        set_optimizer_state_dict(wrapped, list(optimizers), state["optimizer"], options=opts)
     else:
         missing, unexpected = draft.load_state_dict(weights, strict=False)
         assert not unexpected, unexpected
-        optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+        optimizers.load_state_dict(state["optimizer"])
+    schedulers.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     return int(state["step"])

@@ -44,7 +44,7 @@ from .checkpoint import (
 )
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import online_layer_ids, open_online_data, prepare_cache
-from .optim import build_optimizer, build_scheduler
+from .optim import Optimizers, Schedulers, build_optimizers, build_schedulers
 from .prefetch import RowsAhead
 from .pretrained import check_pretrained_fits, copy_pretrained_weights, load_pretrained_draft
 from .progress import (
@@ -76,8 +76,8 @@ class TrainingSetup:
     draft: nn.Module
     module: nn.Module
     wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
+    optimizers: Optimizers
+    schedulers: Schedulers
     batches: object
     total_steps: int
     mask_token_id: int
@@ -177,7 +177,7 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
 
 
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
-    """Validate the data, build draft, trainer module, wrapper, optimizer and schedule.
+    """Validate the data, build draft, trainer module, wrapper, optimizers and schedules.
 
     With ``from_pretrained`` the draft starts from that draft's weights (unless the run
     resumes: its checkpoint's weights replace them anyway); with ``train_data_ratio`` below
@@ -242,9 +242,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     draft.train()
     module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
     wrapped = wrap(StepModule(module, every_parameter=world.distributed), config.runtime, world)
-    optimizer = build_optimizer(
-        [p for p in wrapped.parameters() if p.requires_grad], config.optimizer
-    )
+    optimizers = build_optimizers(wrapped.named_parameters(), config.optimizer)
     batches = PackedBatches(
         data,
         config.data.total_seq_len,
@@ -265,9 +263,9 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         total = min(total, trainer.max_steps)
     if config.online.online:
         prepare_cache(data, world)
-    scheduler = build_scheduler(optimizer, config.scheduler, total)
+    schedulers = build_schedulers(optimizers, config.scheduler, total)
     return TrainingSetup(
-        config, world, draft, module, wrapped, optimizer, scheduler, batches, total,
+        config, world, draft, module, wrapped, optimizers, schedulers, batches, total,
         mask_token_id, reason, resume, heldout_samples,
     )
 
@@ -305,7 +303,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     saved = None
     if setup.resume is not None:
         start = load_checkpoint(
-            setup.resume, setup.wrapped, draft, setup.optimizer, setup.scheduler, config, world
+            setup.resume, setup.wrapped, draft, setup.optimizers, setup.schedulers, config, world
         )
         saved, setup.resume = setup.resume.path, None  # the loaded tensors are not kept
         if world.rank == 0:
@@ -340,17 +338,17 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             row, waited = rows.get(step)
             with memory_for(row["input_ids"].shape[-1]):
                 batch = to_device(row, world.device, dtype)
-                setup.optimizer.zero_grad(set_to_none=True)
+                setup.optimizers.zero_grad(set_to_none=True)
                 stats = train_step(setup.wrapped, module, batch, config, world, step)
                 grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
                 tokens = float((batch["document_ids"] >= 0).sum())
                 record = reduce_record(stats, tokens, stop.signum, world)
                 check_finite(record["loss"], grad_norm, step + 1, saved)
-                setup.optimizer.step()
-            setup.scheduler.step()
+                setup.optimizers.step()
+            setup.schedulers.step()
             now = time.perf_counter()
             record.update(
-                step=step + 1, epoch=epoch, lr=setup.scheduler.get_last_lr()[0],
+                step=step + 1, epoch=epoch, **setup.optimizers.learning_rates(),
                 grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
                 data_share=waited / (now - began), wall_s=now - run_began,
             )
@@ -366,7 +364,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
             if stop_now or done or (step + 1) % every == 0:
                 saved = save_checkpoint(
                     save_path, step + 1, wrapped=setup.wrapped, draft=draft,
-                    optimizer=setup.optimizer, scheduler=setup.scheduler,
+                    optimizers=setup.optimizers, schedulers=setup.schedulers,
                     config=config, world=world,
                 )
                 if validation is not None and not stop_now:

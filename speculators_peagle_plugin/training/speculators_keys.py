@@ -153,16 +153,17 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     "loss.ttt_step_loss_decay": _ignored(
         "EAGLE-3's unrolling; P-EAGLE drafts all depths in one pass"
     ),
-    "optimizer.optimizer": _only(
-        "adamw", note="AdamW only; speculators' default is muon, so name adamw"
+    "optimizer.optimizer": _works(
+        "ours defaults to adamw, speculators' to muon (its run.yaml leaves a default out: "
+        "name muon to train with it)"
     ),
     "optimizer.lr": _works(),
     "optimizer.weight_decay": _works(),
-    "optimizer.muon_lr": _ignored("muon settings; the optimizer is AdamW"),
-    "optimizer.muon_momentum": _ignored("muon settings; the optimizer is AdamW"),
-    "optimizer.muon_weight_decay": _ignored("muon settings; the optimizer is AdamW"),
-    "optimizer.muon_ns_steps": _ignored("muon settings; the optimizer is AdamW"),
-    "optimizer.muon_adjust_lr_fn": _ignored("muon settings; the optimizer is AdamW"),
+    "optimizer.muon_lr": _works(),
+    "optimizer.muon_momentum": _works(),
+    "optimizer.muon_weight_decay": _works(),
+    "optimizer.muon_ns_steps": _works(),
+    "optimizer.muon_adjust_lr_fn": _works(),
     "scheduler.scheduler_type": _works(),
     "scheduler.scheduler_warmup_steps": _works("ours defaults to 1% of the steps"),
     "scheduler.scheduler_warmup_ratio": _works(),

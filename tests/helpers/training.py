@@ -58,7 +58,7 @@ def reference_step(workdir, save, partitions, world_size=2, **kw):
         world_size=world_size,
     ).global_rows(0, 0)
     module = setup.module
-    setup.optimizer.zero_grad()
+    setup.optimizers.zero_grad()
     for rank, row in enumerate(rows):
         module.generator = cod_generator(config.seed, 0, rank, torch.device("cpu"))
         if partitions == 1:
@@ -68,7 +68,7 @@ def reference_step(workdir, save, partitions, world_size=2, **kw):
         for i in range(len(plan)):
             (module.forward_batch(row, peagle_segment=(plan, i)).loss / world_size).backward()
     torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
-    setup.optimizer.step()
+    setup.optimizers.step()
     return {k: v.detach() for k, v in setup.draft.state_dict().items()}
 
 
