@@ -244,3 +244,14 @@ def test_two_cpu_replicas_make_the_files_of_one_process(made, target_dir, prompt
     assert result.exit_code == 0, result.output
     assert not (out / "replicas").exists()
     assert_same_files(out, made / "one")
+
+
+def test_more_replicas_than_cores_is_one_sentence(target_dir, prompts, tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    out = tmp_path / "data"
+    result = run(*gen_args(target_dir, prompts, out, "--data-parallel-size", cores + 1))
+    assert result.exit_code != 0
+    assert (f"--data-parallel-size {cores + 1} with --tensor-parallel-size 1 needs {cores + 1} "
+            f"CPU cores, one per rank, and this machine has {cores}") in " ".join(
+                result.output.split())
+    assert not out.exists()
