@@ -231,8 +231,6 @@ def served_eval(target, url, out):
     return result.exit_code, result.output
 
 
-@pytest.mark.xfail(strict=False, reason="flaky: in some runs the fake server does not die at "
-                   "its 5th request and the eval finishes whole; not yet diagnosed")
 def test_a_server_that_dies_mid_eval_is_retried_then_one_sentence_and_the_rerun_resumes(
     target, tmp_path, monkeypatch
 ):

@@ -8,6 +8,11 @@ chunks of two tokens, counting one draft accepting one token per chunk. Each com
 request's prompt is appended to REQUESTS_LOG. The DIE_AT-th completion request (from 1)
 sends half its stream, then the process kills itself with SIGKILL.
 
+Each request runs in a thread of its own (``ThreadingHTTPServer``) and concurrent requests
+overlap, so a request takes its ordinal and updates the counters under one lock: read back
+from the shared counter later, two requests that arrived together would both see the later
+count, and neither would be the DIE_AT-th.
+
 :func:`fake_vllm` runs it for the length of a ``with`` block.
 """
 
@@ -18,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -44,6 +50,7 @@ def metrics_page(drafts: int, accepted: int) -> str:
 
 class Handler(BaseHTTPRequestHandler):
     counts = {"drafts": 0, "accepted": 0, "completions": 0}
+    lock = threading.Lock()
     log_path: Path
     die_at: int | None = None
 
@@ -61,27 +68,32 @@ class Handler(BaseHTTPRequestHandler):
             body = json.dumps({"data": [{"id": "tiny"}]}).encode()
             kind = "application/json"
         else:
-            body = metrics_page(self.counts["drafts"], self.counts["accepted"]).encode()
+            with self.lock:
+                drafts, accepted = self.counts["drafts"], self.counts["accepted"]
+            body = metrics_page(drafts, accepted).encode()
             kind = "text/plain"
         self._head(len(body), kind)
         self.wfile.write(body)
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.counts["completions"] += 1
-        with open(self.log_path, "a") as log:
-            log.write(json.dumps(request["prompt"]) + "\n")
+        with self.lock:
+            self.counts["completions"] += 1
+            ordinal = self.counts["completions"]
+            with open(self.log_path, "a") as log:
+                log.write(json.dumps(request["prompt"]) + "\n")
         reply = list(reversed(request["prompt"]))[: request["max_tokens"]]
         chunks = [reply[i : i + 2] for i in range(0, len(reply), 2)]
         body = "".join(f"data: {json.dumps({'choices': [{'token_ids': c}]})}\n\n" for c in chunks)
         body = (body + "data: [DONE]\n\n").encode()
         self._head(len(body), "text/event-stream")
-        if self.counts["completions"] == self.die_at:
+        if ordinal == self.die_at:
             self.wfile.write(body[: len(body) // 2])
             self.wfile.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        self.counts["drafts"] += len(chunks)
-        self.counts["accepted"] += len(chunks)
+        with self.lock:
+            self.counts["drafts"] += len(chunks)
+            self.counts["accepted"] += len(chunks)
         self.wfile.write(body)
 
 
