@@ -114,6 +114,7 @@ def export(config: ExportConfig) -> None:
     fixed, remaining = export_checkpoint(
         config.checkpoint, config.output, config.target, mask_token_id=config.mask_token_id,
         num_speculative_tokens=config.num_speculative_tokens, device=config.device,
+        base_model=config.base_model,
     )
     for finding in fixed:
         click.echo(f"fixed [{finding.code}]: {finding.message}")

@@ -147,7 +147,7 @@ def fake_pipeline(monkeypatch, tmp_path):
     """The demo with fake commands, a fake target and a fake untrained-draft builder."""
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text("{}")
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 49152}))
     (target / "model.safetensors").write_text("w")
     monkeypatch.setattr(demo, "materialise_smollm2", lambda: target)
     built = []
@@ -185,6 +185,9 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert FakeCli._opt(evaluate, "-k") == "2" and FakeCli._opt(evaluate, "--concurrency") == "1,2"
     assert FakeCli._opt(evaluate, "--prompts-per-slot") == "1"
     assert "--enforce-eager" in evaluate  # the quick demo's engines skip compiling
+    assert FakeCli._opt(evaluate, "--base-model") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert FakeCli._opt(gen, "--draft-vocab-size") == FakeCli._opt(train, "--draft-vocab-size")
+    assert FakeCli._opt(gen, "--draft-vocab-size") == "8192"  # the training YAML's
     # The untrained draft is built from the very config the train command used.
     assert built[0].data.data_path == FakeCli._opt(train, "--data-path")
     assert built[0].peagle.num_depths == 4 and built[0].trainer.max_steps == 2
@@ -231,6 +234,44 @@ def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
     eager = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml))
     with pytest.raises(ValueError, match=r"'eval' stage made with other settings"):
         demo.run_demo(eager, echo=lambda line: None)
+
+
+def test_a_target_with_fewer_tokens_than_the_draft_vocabulary_gets_all_of_them(
+    fake_pipeline, tmp_path
+):
+    cli, built, yaml, target = fake_pipeline
+    assert "draft_vocab_size: 8192" in yaml.read_text()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 272}))
+    lines = []
+    demo.run_demo(demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml)),
+                  echo=lines.append)
+    gen, train, _, _ = cli.commands
+    assert FakeCli._opt(gen, "--draft-vocab-size") == FakeCli._opt(train, "--draft-vocab-size")
+    assert FakeCli._opt(gen, "--draft-vocab-size") == "272"
+    assert built[0].draft.draft_vocab_size == 272  # the untrained draft too
+    assert any("272 tokens, the target's whole vocabulary" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_the_demo_on_a_target_smaller_than_its_draft_vocabulary_finishes(
+    target, tmp_path, monkeypatch
+):
+    """The tiny target (272 tokens) under a training YAML that leaves the draft vocabulary at
+    its default (8192 tokens)."""
+    from helpers import tiny_demo
+
+    tiny_demo.install(target, monkeypatch)
+    path = tiny_demo.recipe(tmp_path, draft_vocab_size=None)
+    config = demo.DemoConfig.from_recipe(path, run_dir=str(tmp_path / "run"))
+    demo.run_demo(config, echo=lambda line: None)
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    for draft in ("trained-draft", "untrained-draft"):
+        saved = json.loads((tmp_path / "run" / draft / "config.json").read_text())
+        assert saved["draft_vocab_size"] == vocab, draft
+    assert (tmp_path / "run" / "data" / f"d2t-{vocab}.npy").is_file()
+    assert read_card(tmp_path / "run" / "trained-draft")[0]["base_model"] == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
 
 
 def test_an_explicit_target_dtype_wins_and_a_new_one_redoes_the_data(fake_pipeline, tmp_path):

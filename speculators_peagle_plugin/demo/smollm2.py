@@ -24,11 +24,14 @@ from pathlib import Path
 from ..common.errors import UserError
 from ..common.files import temporary_name
 
-__all__ = ["SMOLLM2", "cache_dir", "materialise_smollm2", "smollm2_gguf"]
+__all__ = ["SMOLLM2", "SMOLLM2_ID", "cache_dir", "materialise_smollm2", "smollm2_gguf"]
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# The hub id of the model the GGUF quantises. The directory built from the GGUF names no id
+# (its config's name is the GGUF's title), so the demo gives this one to the model card.
+SMOLLM2_ID = f"HuggingFaceTB/{SMOLLM2}"
 GGUF_NAME = f"{SMOLLM2}.Q4_1.gguf"
 SOURCE_FILE = "gguf_source.json"
 

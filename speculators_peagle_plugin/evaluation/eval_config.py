@@ -17,7 +17,7 @@ from ..common.dtypes import DTYPE_NAMES
 from ..common.errors import UserError
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
-from ..serving.model_card import model_id
+from ..serving.model_card import check_base_model
 
 BACKENDS = ("vllm", "reference")
 # vLLM's CPU KV cache when --kv-cache-gb is not given: room for the sweep's largest batch of
@@ -206,11 +206,7 @@ class EvalConfig(Settings):
             raise UserError(
                 f"target {self.target!r} is not a local model directory (no config.json)."
             )
-        if self.base_model is not None and model_id(self.base_model) is None:
-            raise UserError(
-                f"--base-model must be a hub model id such as owner/name (a model card names "
-                f"no local path), got {self.base_model!r}."
-            )
+        check_base_model(self.base_model)
         for draft in self.drafts:
             if not Path(draft).is_dir():
                 raise UserError(f"draft checkpoint {draft!r} is not a directory.")

@@ -38,7 +38,7 @@ from .draft_checkpoint import (
     object_at,
     resolve_target,
 )
-from .model_card import read_card, write_model_card
+from .model_card import check_base_model, read_card, write_model_card
 
 __all__ = ["export_checkpoint"]
 
@@ -54,6 +54,13 @@ class ExportConfig(ServedDraft):
     num_speculative_tokens: int | None = setting(
         None, "The trained K, if the config lacks it.", short="-k", show=None
     )
+    base_model: str | None = setting(
+        None, "The target's hub model id (owner/name), for the copy's model card's base_model.",
+        show="the card's, or the id the target's config names",
+    )
+
+    def __post_init__(self) -> None:
+        check_base_model(self.base_model)
 
 
 def export_checkpoint(
@@ -64,6 +71,7 @@ def export_checkpoint(
     mask_token_id: int | None = None,
     num_speculative_tokens: int | None = None,
     device: str | None = None,
+    base_model: str | None = None,
 ) -> tuple[list[Finding], list[Finding]]:
     """Write a copy of ``draft_dir`` to ``out_dir`` with every mechanical fix applied.
 
@@ -72,6 +80,8 @@ def export_checkpoint(
         out_dir: a new directory (written under a temporary name, renamed when complete).
         mask_token_id, num_speculative_tokens: values for a checkpoint that lacks them
             (the id and K it was trained with; never used to override saved ones).
+        base_model: the target's hub model id for the copy's model card, where the draft
+            has a card (default: the card's own, see :func:`~.model_card.write_model_card`).
 
     Returns:
         ``(fixed, remaining)``: the findings fixed, and the warnings left in the copy.
@@ -81,6 +91,7 @@ def export_checkpoint(
     two directories is inside the other.
     """
     out_dir = Path(out_dir)
+    check_base_model(base_model)
     _refuse_overlap(Path(draft_dir), out_dir)
     if out_dir.exists():
         raise UserError(f"{str(out_dir)!r} already exists; export writes a new directory.")
@@ -95,7 +106,7 @@ def export_checkpoint(
     with atomic_directory(out_dir) as tmp:
         _write(ckpt, config, tensors, tmp)
         if read_card(tmp) is not None:  # fixes model-card: the copy's card states its config
-            write_model_card(tmp, location=out_dir)
+            write_model_card(tmp, location=out_dir, base_model=base_model)
         after = run_rules(DraftCheckpoint.read(tmp), target, None, device, scan_values=True)
         errors = [f for f in after if f.severity == "error"]
         if errors:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from ..common.errors import UserError
 from ..common.files import atomic_write_text
 from ..common.reading import read_json
 from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, object_at, warning
@@ -37,6 +38,7 @@ from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, object_at, w
 __all__ = [
     "CARD_FILE",
     "card_facts",
+    "check_base_model",
     "card_findings",
     "model_id",
     "portable_path",
@@ -76,6 +78,15 @@ def model_id(name) -> str | None:
     if not isinstance(name, str) or not _MODEL_ID.fullmatch(name) or name.startswith("."):
         return None
     return None if Path(name).exists() else name
+
+
+def check_base_model(name: str | None) -> None:
+    """Refuse a ``--base-model`` that is not a hub model id: a card names no local path."""
+    if name is not None and model_id(name) is None:
+        raise UserError(
+            f"--base-model must be a hub model id such as owner/name (a model card names "
+            f"no local path), got {name!r}."
+        )
 
 
 def portable_path(path: str | Path) -> str:

@@ -20,20 +20,23 @@ RECIPE = {"train_prompts": ["chat[0:2]"], "eval_prompts": ["chat[100:102]"],
           "gen_batch_size": 2, "temperature": 1.0, "max_steps": 2, "num_speculative_tokens": 2,
           "eval_ks": [2], "eval_concurrency": [1, 2], "eval_prompts_per_slot": 1,
           "eval_max_new_tokens": 8, "eval_enforce_eager": True, "target_dtype": "float32"}
-# what the demo's commands need besides the demo's flags on this target (a vocabulary of 272)
-EXTRA = {"generate-data": ("--draft-vocab-size", "40", "--target-layer-ids", "1,2,3"),
-         "eval": ("--backend", "reference")}
+# what the demo's commands need besides the demo's flags on this target (4 layers)
+EXTRA = {"generate-data": ("--target-layer-ids", "1,2,3"), "eval": ("--backend", "reference")}
 
 
-def recipe(directory: Path) -> Path:
-    """``directory/recipe.yaml`` (with its ``train.yaml`` beside it)."""
-    (directory / "train.yaml").write_text(yaml.safe_dump(TRAIN))
+def recipe(directory: Path, **train) -> Path:
+    """``directory/recipe.yaml`` (with its ``train.yaml`` beside it: ``TRAIN``, with the keys
+    of ``train`` set, or left out where None)."""
+    keys = {k: v for k, v in {**TRAIN, **train}.items() if v is not None}
+    (directory / "train.yaml").write_text(yaml.safe_dump(keys))
     path = directory / "recipe.yaml"
     path.write_text(yaml.safe_dump({**RECIPE, "train_config": "train.yaml"}))
     return path
 
 
-def install(target: str) -> None:
+def install(target: str, monkeypatch=None) -> None:
+    """The stand-ins, in place for good, or until the test ends with pytest's
+    ``monkeypatch``."""
     from speculators_peagle_plugin.cli import main
     from speculators_peagle_plugin.demo import pipeline
 
@@ -45,5 +48,6 @@ def install(target: str) -> None:
             if exc.code:
                 raise pipeline.DemoError(f"stage '{stage}' failed ({exc.code}).") from None
 
-    pipeline.materialise_smollm2 = lambda: Path(target)
-    pipeline._command = command
+    put = setattr if monkeypatch is None else monkeypatch.setattr
+    put(pipeline, "materialise_smollm2", lambda: Path(target))
+    put(pipeline, "_command", command)
