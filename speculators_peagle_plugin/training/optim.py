@@ -125,6 +125,52 @@ def muon_split(named_parameters) -> tuple[list[tuple], list[tuple]]:
     return muon, adamw
 
 
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon``, whose Newton-Schulz step sees each matrix whole under FSDP2.
+
+    FSDP2 holds a weight, its gradient and its momentum as row shards (DTensors). Muon
+    orthogonalizes the whole matrix, so here each rank gathers the momentum-corrected
+    update, orthogonalizes it (every rank the same) and applies its own rows: the update one
+    process makes. torch's step on the shards themselves gives another update
+    (tests/test_loop.py compares two FSDP2 ranks with one process). Unsharded weights take
+    torch's step unchanged.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                # torch's _single_tensor_muon, with the orthogonalization on the whole matrix
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                whole = _zeropower_via_newtonschulz(
+                    update.full_tensor(), group["ns_coefficients"], group["ns_steps"],
+                    group["eps"],
+                )
+                rows = DTensor.from_local(whole, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(rows.redistribute(p.device_mesh, p.placements),
+                       alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
 class _Parts(list):
     """Objects used as one. A checkpoint holds one part's state as that part's own state dict
     (what a run with one optimizer always wrote), several parts' as a list, in order."""
@@ -187,7 +233,7 @@ def build_optimizers(named_parameters, config: OptimizerConfig) -> Optimizers:
     logger.info("muon: %d weight matrices with Muon, %d weights with AdamW", len(muon), len(adamw))
     parts = Optimizers()
     if muon:
-        parts.append(torch.optim.Muon(
+        parts.append(Muon(
             [p for _, p in muon], lr=config.resolved_muon_lr, momentum=config.muon_momentum,
             weight_decay=config.muon_weight_decay, ns_steps=config.muon_ns_steps,
             adjust_lr_fn=config.muon_adjust_lr_fn,
