@@ -148,6 +148,8 @@ def test_a_resumed_muon_run_ends_with_the_uninterrupted_runs_weights_and_state(w
     records = [json.loads(x) for x in log.splitlines()]
     assert records[0]["muon_lr"] == pytest.approx(0.02 * 3 / 4)  # the schedule drives both
     assert records[0]["lr"] == pytest.approx(0.01 * 3 / 4)
+    card = (tmp_path / "whole" / "checkpoint-4" / "README.md").read_text()
+    assert "optimizer=muon, lr=0.01, muon_lr=0.02," in card  # the recipe the card states
 
     (tmp_path / "part").mkdir()
     shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "part" / "checkpoint-2")

@@ -57,7 +57,8 @@ _MODEL_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 # The recipe settings a card lists (TrainConfig names), when training states them.
 RECIPE_KEYS = (
     "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "total_seq_len",
-    "sequence_partitions", "lr", "epochs", "max_steps", "draft_init", "autocast", "seed",
+    "sequence_partitions", "optimizer", "lr", "muon_lr", "epochs", "max_steps", "draft_init",
+    "autocast", "seed",
 )
 
 
