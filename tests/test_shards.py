@@ -18,9 +18,11 @@ from helpers.chat_target import LAYER_IDS, MAX_NEW
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.datagen import capture as capture_mod
 from speculators_peagle_plugin.datagen import generation as gen_mod
+from speculators_peagle_plugin.datagen import join as join_mod
 from speculators_peagle_plugin.datagen.build_data import generate_data
 from speculators_peagle_plugin.datagen.capture import MIN_SHARED_PREFIX
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
+from speculators_peagle_plugin.datagen.join import JoinConfig, join_data
 from speculators_peagle_plugin.datagen.shard_plan import Shard, piece_size
 
 SYSTEM = {"role": "system",
@@ -255,3 +257,35 @@ def test_more_replicas_than_cores_is_one_sentence(target_dir, prompts, tmp_path)
             f"CPU cores, one per rank, and this machine has {cores}") in " ".join(
                 result.output.split())
     assert not out.exists()
+
+
+def test_a_stopped_join_resumes_and_another_joins_output_is_refused(made, tmp_path, monkeypatch):
+    out = tmp_path / "joined"
+    config = JoinConfig(parts=(str(made / "part0"), str(made / "part1")), output=str(out),
+                        draft_vocab_size=40)
+    linked, link = [], join_mod._link_or_copy
+
+    def stopped_at_the_third_file(source, target):
+        linked.append(source)
+        if len(linked) == 3:
+            raise KeyboardInterrupt
+        link(source, target)
+
+    monkeypatch.setattr(join_mod, "_link_or_copy", stopped_at_the_third_file)
+    with pytest.raises(KeyboardInterrupt):
+        join_data(config)
+    assert len(list((out / "hidden_states").iterdir())) == 2
+    monkeypatch.setattr(join_mod, "_link_or_copy", link)
+    join_data(config)
+    assert_same_files(out, made / "one")
+
+    others = []
+    for name in ("part0", "part1"):  # the same parts, as if made with another seed
+        other = shutil.copytree(made / name, tmp_path / name)
+        settings = json.loads((other / "generation_settings.json").read_text())
+        (other / "generation_settings.json").write_text(json.dumps({**settings, "seed": 5}))
+        others.append(other)
+    result = run("join-data", *others, "--output", out)
+    assert result.exit_code != 0
+    assert f"--output {out} holds other data than the join of these parts" in " ".join(
+        result.output.split())
