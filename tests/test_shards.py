@@ -19,6 +19,7 @@ from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.datagen import capture as capture_mod
 from speculators_peagle_plugin.datagen import generation as gen_mod
 from speculators_peagle_plugin.datagen import join as join_mod
+from speculators_peagle_plugin.datagen import replicas as replicas_mod
 from speculators_peagle_plugin.datagen.build_data import generate_data
 from speculators_peagle_plugin.datagen.capture import MIN_SHARED_PREFIX
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
@@ -289,3 +290,56 @@ def test_a_stopped_join_resumes_and_another_joins_output_is_refused(made, tmp_pa
     assert result.exit_code != 0
     assert f"--output {out} holds other data than the join of these parts" in " ".join(
         result.output.split())
+
+
+def in_process(config, parts, dirs, environments):
+    """The replicas run one after the other in this process (the parent's logic under test)."""
+    for part, directory, (_, cores) in zip(parts, dirs, environments, strict=True):
+        values = replicas_mod._replica_config(config, part, directory, cores is not None)
+        generate_data(DataGenConfig.from_sources(**values))
+
+
+def test_replicas_stopped_midway_resume_each_on_its_own_into_one_runs_files(
+    made, target_dir, prompts, tmp_path, monkeypatch
+):
+    out = tmp_path / "replicated"
+    config = DataGenConfig.from_sources(
+        target=str(target_dir), prompts=str(prompts), output=str(out), max_new_tokens=MAX_NEW,
+        batch_size=BATCH, target_layer_ids=LAYER_IDS, draft_vocab_size=40, data_parallel_size=2,
+    )
+    real = gen_mod._regenerate
+
+    def second_replica_killed(*args):
+        if args[2][0] >= 4:  # a conversation of replica 1/2
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(replicas_mod, "_run_replicas", in_process)
+    monkeypatch.setattr(gen_mod, "_regenerate", second_replica_killed)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(config)
+    assert_same_files(out / "replicas" / "0-of-2", made / "part0")
+    assert not (out / "state.json").exists()
+
+    calls = []
+    monkeypatch.setattr(gen_mod, "_regenerate", lambda *a: calls.append(a[2]) or real(*a))
+    generate_data(config)
+    assert calls == [[4, 5], [6]]  # replica 0/2 was complete: nothing of it generated again
+    assert not (out / "replicas").exists()
+    assert_same_files(out, made / "one")
+
+
+def test_a_failed_replica_is_one_sentence_naming_it_and_its_log(
+    target_dir, prompts, tmp_path, monkeypatch
+):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'loading...'\necho 'Error: the disk said no.' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(replicas_mod.sys, "executable", str(fake))
+    out = tmp_path / "data"
+    result = run(*gen_args(target_dir, prompts, out, "--data-parallel-size", 2))
+    assert result.exit_code != 0
+    log = out / "replicas" / "0-of-2.log"
+    assert (f"Replica 0/2 of --data-parallel-size 2 failed (exit 3: Error: the disk said no); "
+            f"its log is {log}; run the same command again to resume.") in " ".join(
+                result.output.split())
