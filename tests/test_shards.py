@@ -277,8 +277,15 @@ def test_a_stopped_join_resumes_and_another_joins_output_is_refused(made, tmp_pa
         join_data(config)
     assert len(list((out / "hidden_states").iterdir())) == 2
     monkeypatch.setattr(join_mod, "_link_or_copy", link)
+
+    def no_links(source, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(join_mod.os, "link", no_links)  # the rest is copied
     join_data(config)
     assert_same_files(out, made / "one")
+    nlinks = [p.stat().st_nlink for p in (out / "hidden_states").iterdir()]
+    assert sum(n == 1 for n in nlinks) == len(nlinks) - 2  # all copied but the 2 linked first
 
     others = []
     for name in ("part0", "part1"):  # the same parts, as if made with another seed
