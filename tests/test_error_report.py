@@ -108,3 +108,9 @@ def test_which_errors_are_one_sentence():
     with pytest.raises(ValueError) as info:
         np.zeros(2).reshape(3)
     assert one_sentence(info.value) is None
+    # so is a plain ValueError of our own code: its refusals are UserErrors
+    from speculators_peagle_plugin.core.peagle_attention import document_ids_from_lengths
+
+    with pytest.raises(ValueError, match="lengths must be >= 0") as info:
+        document_ids_from_lengths(torch.tensor([-1]), 4)
+    assert type(info.value) is ValueError and one_sentence(info.value) is None

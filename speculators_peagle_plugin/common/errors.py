@@ -5,6 +5,11 @@ stage) is something the user acts on: the command prints ``Error: <its message>`
 other exception is a bug, here or in a library: the command keeps its traceback and adds
 :func:`bug_report_line`. ``SPECULATORS_PEAGLE_TRACEBACK=1`` shows the traceback of a
 one-sentence error as well.
+
+The package refuses input with :class:`UserError`. The plain ``ValueError`` that some public
+functions raise for a malformed argument (a tensor's shape or order, a draft without
+``mask_hidden``) is not a refusal: the commands build those arguments themselves, so a
+command that trips one has a bug.
 """
 
 from __future__ import annotations
@@ -13,10 +18,8 @@ import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
-from pathlib import Path
 
 TRACEBACK_ENV = "SPECULATORS_PEAGLE_TRACEBACK"
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # how libraries that raise their own types (safetensors, torch) word an ENOSPC / EDQUOT
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
@@ -86,21 +89,9 @@ def memory_for(row_tokens: int) -> Iterator[None]:
         raise OutOfMemory(out_of_memory_sentence(exc, row_tokens)) from exc
 
 
-def _raised_by_package(exc: BaseException) -> bool:
-    """A plain ``ValueError`` raised in this package's own code: by the package's rule a
-    refusal of input (``assert`` guards its invariants), from modules that raise it rather
-    than :class:`UserError`."""
-    tb = exc.__traceback__
-    if type(exc) is not ValueError or tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
-
-
 def one_sentence(exc: BaseException) -> str | None:
     """The sentence a command prints for ``exc``, or None when ``exc`` is a bug."""
-    if isinstance(exc, OneSentenceError) or _raised_by_package(exc):
+    if isinstance(exc, OneSentenceError):
         return str(exc)
     if is_out_of_memory(exc):
         return out_of_memory_sentence(exc)

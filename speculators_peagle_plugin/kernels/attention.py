@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ..common.errors import UserError
 from ..core.peagle_attention import create_peagle_mask_mod, lengths_from_document_ids
 from . import flex
 from .block_sparse import _BlockSparseAttention, _Chunk, _plan_chunks
@@ -29,7 +30,7 @@ ATTENTION_IMPLS = ("auto", "flex", "chunked")
 def resolve_attention_impl(impl: str, device: torch.device) -> str:
     """``auto`` -> ``flex`` on CUDA, ``chunked`` elsewhere; a forced choice is checked."""
     if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}.")
+        raise UserError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}.")
     if impl == "auto":
         return "flex" if device.type == "cuda" else "chunked"
     return impl

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.errors import UserError
 from ..common.settings import check_choices, check_int_at_least, check_optional_ints, setting
 from .peagle_draft import PEagleDraftModel
 
@@ -86,7 +87,7 @@ def register_with_speculators() -> str:
     if current is PEagleDraftModel:
         return SPECULATORS_REGISTRY_NAME
     if current is not None and current.__qualname__ != PEagleDraftModel.__qualname__:
-        raise ValueError(
+        raise UserError(
             f"speculators' registry already holds {current!r} under "
             f"{SPECULATORS_REGISTRY_NAME!r}; another plugin claims this name."
         )
@@ -124,7 +125,7 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
     if kv_heads is not None:
         heads = layer_config.num_attention_heads
         if heads % kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"num_key_value_heads must divide the draft's {heads} attention heads, got "
                 f"{kv_heads}."
             )
@@ -203,7 +204,7 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
     found = load_model_layers(present, str(verifier_path)) if present else {}
     missing = [n + s for n in names for s in _REQUIRED if n + s not in found]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"--draft-init verifier copies verifier layers {deepest}..{deepest + len(layers) - 1} "
             f"(after aux id {deepest}) but {verifier_path} has no {missing[0]}; "
             "use fewer draft layers, a shallower deepest aux id, or --draft-init random."
@@ -233,7 +234,7 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
                 heads = target.out_features // head_dim
                 verifier_heads = source.shape[0] // head_dim
                 if source.shape[0] % head_dim or heads % verifier_heads:
-                    raise ValueError(
+                    raise UserError(
                         f"--draft-init verifier needs the draft's {proj} heads ({heads}) to be a "
                         f"multiple of the verifier's ({source.shape[0] / head_dim:g}); use "
                         "--num-key-value-heads with such a value or --draft-init random."
@@ -250,7 +251,7 @@ def init_from_verifier(draft, verifier_path, target_layer_ids) -> None:
 
 def _copy(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
     if destination.shape != source.shape:
-        raise ValueError(
+        raise UserError(
             f"--draft-init verifier cannot copy the verifier's {name} {tuple(source.shape)} into "
             f"the draft's {tuple(destination.shape)}; use --draft-init random."
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from ..common.errors import UserError
+
 # Conversations rendered to find the special tokens a chat template emits. Some templates
 # reject a system turn, so each is tried on its own.
 _PROBE_CONVERSATIONS = (
@@ -111,7 +113,7 @@ def choose_mask_token_id(tokenizer, vocab_size: int) -> tuple[int, str]:
     free = {i: name for i, name in _added_token_ids(tokenizer).items() if i not in used}
     free = {i: name for i, name in free.items() if i < vocab_size}
     if not free:
-        raise ValueError(
+        raise UserError(
             "The tokenizer has no unused token for mask_token_id: every embedding row is an "
             "ordinary token or a special token the target emits; pass --mask-token-id "
             "explicitly after extending the embedding."

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.errors import UserError
 from ..common.settings import setting
 
 
@@ -50,7 +51,7 @@ class FinalNormInput:
         decoder = model.get_decoder()
         norm = getattr(decoder, "norm", None)
         if norm is None:
-            raise ValueError(
+            raise UserError(
                 f"{type(decoder).__name__} has no final `norm` module to capture the last hidden "
                 "state before it."
             )

@@ -14,6 +14,7 @@ import click
 import torch
 
 from ..common.devices import checked_device
+from ..common.errors import UserError
 from .selftest_report import FAIL, PASS, SKIP, Check, as_dicts, stack, stack_lines, write_record
 from .shapes import SHAPES
 
@@ -46,9 +47,9 @@ def parse_options(device, quick, shape, seq_lens, json_path, ours_seq_lens=None,
             else _row_lengths("--seq-lens", seq_lens))
     ours = () if ours_seq_lens is None else _row_lengths("--ours-seq-lens", ours_seq_lens)
     if json_path is not None and not Path(json_path).resolve().parent.is_dir():
-        raise ValueError(f"--json {json_path}: its directory does not exist.")
+        raise UserError(f"--json {json_path}: its directory does not exist.")
     if profile and json_path is None:
-        raise ValueError("--profile writes its tables beside the record: give --json too.")
+        raise UserError("--profile writes its tables beside the record: give --json too.")
     return Options(dev, quick, shape, lens, json_path, tuple(sorted(set(ours) - set(lens))),
                    profile)
 
@@ -58,9 +59,9 @@ def _row_lengths(flag: str, text: str) -> tuple[int, ...]:
     try:
         lens = tuple(int(t) for t in text.replace(",", " ").split())
     except ValueError:
-        raise ValueError(f"{flag} {text!r} is not a comma-separated list of integers.") from None
+        raise UserError(f"{flag} {text!r} is not a comma-separated list of integers.") from None
     if not lens or min(lens) < 16:
-        raise ValueError(f"{flag} {text!r}: give row lengths of 16 tokens or more.")
+        raise UserError(f"{flag} {text!r}: give row lengths of 16 tokens or more.")
     return tuple(sorted(set(lens)))
 
 

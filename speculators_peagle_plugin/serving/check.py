@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.errors import UserError
 from ..common.settings import Settings, setting
 from .check_config import CONFIG_GATES, CONFIG_RULES, LAYER_TYPES, CheckedDraft, Rule
 from .check_target import check_target
@@ -98,7 +99,7 @@ def check_checkpoint(
     """
     if device not in (None, *DEVICES):
         allowed = f"{', '.join(DEVICES[:-1])} or {DEVICES[-1]}"
-        raise ValueError(f"device must be {allowed}, got {device!r}.")
+        raise UserError(f"device must be {allowed}, got {device!r}.")
     ckpt = DraftCheckpoint.read(draft_dir)
     target = resolve_target(ckpt, target_dir)
     findings = run_rules(

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from ..common.errors import UserError
 from ..common.reading import load_safetensors, read_json, safetensors_problem
 
 PREFIX = "model."  # a prefix vLLM adds itself; saved names must not carry it
@@ -70,10 +71,10 @@ class DraftCheckpoint:
     def read(cls, path: str | Path) -> DraftCheckpoint:
         path = Path(path)
         if not path.is_dir():
-            raise ValueError(f"draft checkpoint {str(path)!r} is not a directory.")
+            raise UserError(f"draft checkpoint {str(path)!r} is not a directory.")
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ValueError(
+            raise UserError(
                 f"{str(path)!r} has no config.json; pass a speculators-format checkpoint directory."
             )
         ckpt = cls(path, read_json(config_file), sorted(path.glob("*.safetensors")))
@@ -97,7 +98,7 @@ def resolve_target(ckpt: DraftCheckpoint, target_dir: str | Path | None) -> Path
     if target_dir is not None:
         target = Path(target_dir)
         if not (target / "config.json").is_file():
-            raise ValueError(
+            raise UserError(
                 f"target {str(target)!r} is not a local model directory (no config.json)."
             )
         return target

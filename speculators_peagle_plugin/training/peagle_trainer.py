@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.errors import UserError
 from ..core.peagle_attention import lengths_from_document_ids
 from ..core.peagle_config import CODConfig, PEagleConfig
 from ..core.peagle_data import generate_cod_sample_indices
@@ -97,7 +98,7 @@ class PEagleTrainerModule(torch.nn.Module):
             or not isinstance(mask_token_id, int)
             or not (0 <= mask_token_id < vocab)
         ):
-            raise ValueError(
+            raise UserError(
                 f"mask_token_id must be an id inside the embedding [0, {vocab}), "
                 f"got {mask_token_id!r}."
             )
