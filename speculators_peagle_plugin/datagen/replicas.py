@@ -31,6 +31,7 @@ from ..data.layout import (
     SETTINGS_FILE,
     hs_path,
 )
+from ..engine.vllm_client import CPU_KV_CACHE_GB
 from .build_data import check_storage, open_output
 from .datagen_config import DataGenConfig
 from .join import join_parts
@@ -38,8 +39,6 @@ from .shard_plan import piece_size
 
 logger = logging.getLogger(__name__)
 
-# vLLM's CPU KV cache shared by the replicas when --kv-cache-gb is not given (1 GiB at least)
-CPU_KV_CACHE_GB = 4
 
 
 def generate_with_replicas(config: DataGenConfig) -> TrainingData:

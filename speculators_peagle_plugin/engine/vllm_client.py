@@ -124,6 +124,11 @@ class VllmJob:
         return cls(**job)
 
 
+# vLLM's CPU KV cache when --kv-cache-gb is not given: room for an eval sweep's largest batch of
+# a small target, and small enough that one engine after another fits a 24 GiB machine
+# (vLLM's own CPU default sizes the cache from the machine's memory instead).
+CPU_KV_CACHE_GB = 4
+
 class VllmWorker:
     """The out-of-process vLLM runner (``vllm_worker.py``); one per evaluation.
 

@@ -17,13 +17,10 @@ from ..common.dtypes import DTYPE_NAMES
 from ..common.errors import UserError
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
+from ..engine.vllm_client import CPU_KV_CACHE_GB
 from ..serving.model_card import check_base_model
 
 BACKENDS = ("vllm", "reference")
-# vLLM's CPU KV cache when --kv-cache-gb is not given: room for the sweep's largest batch of
-# a small target, and small enough that one engine after another fits a 24 GiB machine
-# (vLLM's own CPU default sizes the cache from the machine's memory instead).
-CPU_KV_CACHE_GB = 4
 # Settings of the drafts and engines eval starts: a running server decodes with its own.
 ENGINE_KEYS = ("drafts", "ks", "backend", "baseline", "dtype", "max_model_len", "kv_cache_gb",
                "in_process", "enforce_eager", "interleave")
