@@ -42,14 +42,18 @@ def killed_and_rerun(forker, tmp_path, seed, args_of, result_of, **run):
     whole = forker.run(args_of(tmp_path / "whole"), log, **run)
     assert whole["rc"] == 0, log.read_text()[-3000:]
     expected = result_of(tmp_path / "whole")
+    # the shorter of two whole runs: a first run on a loaded machine can take many times longer
+    again = forker.run(args_of(tmp_path / "again"), log, **run)
+    assert again["rc"] == 0 and result_of(tmp_path / "again") == expected
+    seconds = min(whole["seconds"], again["seconds"])
     caught = 0
-    for i, at in enumerate(kill_times(seed, KILLS, whole["seconds"])):
+    for i, at in enumerate(kill_times(seed, KILLS, seconds)):
         out = tmp_path / f"killed-{i}"
         caught += forker.run(args_of(out), log, kill_after=at, **run)["killed"]
         rerun = forker.run(args_of(out), log, **run)
         assert rerun["rc"] == 0, f"rerun after a kill at {at:.2f} s:\n" + log.read_text()[-3000:]
-        assert result_of(out) == expected, f"killed at {at:.2f} s of {whole['seconds']:.2f} s"
-    print(f"{caught} of {KILLS} runs killed before their end ({whole['seconds']:.2f} s)")
+        assert result_of(out) == expected, f"killed at {at:.2f} s of {seconds:.2f} s"
+    print(f"{caught} of {KILLS} runs killed before their end ({seconds:.2f} s)")
     assert caught >= KILLS // 2, f"only {caught} of {KILLS} kills came before the end"
     return caught
 
