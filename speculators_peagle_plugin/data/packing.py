@@ -218,9 +218,15 @@ class PackedBatches:
     def _collate_row(self, samples: list[int]) -> dict:
         batch = self._collate([self.data.dataset[i] for i in samples])
         docs = batch["document_ids"]
-        out = {key: batch[key] for key in (
-            "input_ids", "hidden_states", "verifier_last_hidden_states", "position_ids",
-        )}
+        out = {
+            key: batch[key]
+            for key in (
+                "input_ids",
+                "hidden_states",
+                "verifier_last_hidden_states",
+                "position_ids",
+            )
+        }
         # CollateFn's empty-row placeholder has a bool loss_mask; real rows are int64.
         out["loss_mask"] = batch["loss_mask"].long()
         out["document_ids"] = docs

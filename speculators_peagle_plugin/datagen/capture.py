@@ -46,8 +46,10 @@ def capture_hidden_states(
     decoder = model.get_decoder()
     with FinalNormInput(model) as pre_norm:
         out = decoder(
-            input_ids=input_ids[None], output_hidden_states=True,
-            past_key_values=cache, use_cache=cache is not None,
+            input_ids=input_ids[None],
+            output_hidden_states=True,
+            past_key_values=cache,
+            use_cache=cache is not None,
         )
     # transformers' hidden_states[N] is after the final norm; aux id N is before it, as in vLLM
     last, final = len(out.hidden_states) - 1, pre_norm.value[0]
@@ -107,8 +109,9 @@ class _PrefixStates:
         device = self.device
         self._choose(ids, next_ids)
         if not self.prefix:
-            return capture_hidden_states(self.model, torch.tensor(ids, device=device),
-                                         self.layer_ids)
+            return capture_hidden_states(
+                self.model, torch.tensor(ids, device=device), self.layer_ids
+            )
         p = len(self.prefix)
         if self.prefix_states is None:
             self.cache = DynamicCache()
@@ -237,5 +240,9 @@ def log_capture(samples: int, tokens: int, start: float, source: str) -> None:
     elapsed = time.perf_counter() - start
     logger.info(
         "Captured hidden states of %d samples (%d tokens) with %s in %.1f s (%.1f tokens/s).",
-        samples, tokens, source, elapsed, tokens / elapsed,
+        samples,
+        tokens,
+        source,
+        elapsed,
+        tokens / elapsed,
     )
