@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.errors import UserError
+from ..common.reading import read_json
 
 HIDDEN_STATES_DIR = "hidden_states"
 SETTINGS_FILE = "generation_settings.json"
@@ -57,3 +58,21 @@ def mix_seed(*values: int) -> int:
 def default_target_layer_ids(num_layers: int) -> tuple[int, ...]:
     """vLLM's EAGLE-3 aux layers ``(2, N//2, N-3)``; e.g. 30 layers -> ``(2, 15, 27)``."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def row_prompts(output: Path, rows: int) -> list[int] | None:
+    """The prompt each of the ``rows`` dataset rows of ``output`` answers (``ROW_PROMPTS_FILE``);
+    None for data without that file (made by speculators, or before the file existed).
+
+    Raises :class:`DataError` when the file does not name one prompt per row.
+    """
+    path = output / ROW_PROMPTS_FILE
+    if not path.exists():
+        return None
+    prompt = read_json(path, list)
+    if len(prompt) != rows:
+        raise DataError(
+            f"{path} does not name the prompt of each of the {rows} dataset rows; delete it "
+            "and the dataset's files to rebuild them."
+        )
+    return prompt

@@ -17,7 +17,7 @@ import torch
 
 from ..common.errors import UserError
 from ..common.settings import check_int_at_least, fail, setting
-from .layout import DataError, mix_seed
+from .layout import DataError, mix_seed, row_prompts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -67,27 +67,57 @@ SPLIT_STREAM = 2**32
 def split_samples(
     data: TrainingData, train_ratio: float, seed: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(train, held_out)`` sample indices of ``data``: ``round(train_ratio * n)`` of a
-    permutation seeded by ``seed`` train, the rest are held out; both ascending.
+    """``(train, held_out)`` sample indices of ``data``, whole prompts on each side, both
+    ascending.
 
-    A pure function of ``(n, train_ratio, seed)``, so every rank and every resumption draws
-    the same split; ``train_ratio`` 1 holds nothing out. Example: 16 samples, ratio 0.75
-    -> 12 train, 4 held out. Raises :class:`DataError` when either part would be empty.
+    A prompt's rows (every turn of a conversation, every sample of a prompt:
+    ``row_prompts.json``; each row is its own prompt in data without that file) stay
+    together. The prompts, in a permutation seeded by ``seed``, go to train until it holds
+    at least ``round(train_ratio * n)`` of the ``n`` rows; the rest are held out. With one
+    row per prompt that is exactly ``round(train_ratio * n)`` rows, those of
+    ``randperm(n)[:keep]``.
+
+    A pure function of ``(data's rows and prompts, train_ratio, seed)``, so every rank and
+    every resumption draws the same split; ``train_ratio`` 1 holds nothing out. Example: 16
+    rows, one per prompt, ratio 0.75 -> 12 train, 4 held out; prompts of 3, 1 and 2 rows,
+    ratio 0.5, permutation [2, 0, 1] -> train the rows of prompts 2 and 0 (5), held out 1.
+    Raises :class:`DataError` when either part would be empty.
     """
     n = data.num_samples
     if train_ratio == 1:
         return tuple(range(n)), ()
     keep = round(train_ratio * n)
-    if not 0 < keep < n:
-        empty = "no training sample" if keep == 0 else "no held-out sample"
-        raise DataError(
-            f"train_data_ratio {train_ratio:g} of the {n} samples in {data.path} leaves "
-            f"{empty} (round({train_ratio:g} * {n}) = {keep} train); choose a ratio that "
-            "keeps at least one sample on each side, or 1 for no split."
-        )
+    groups = prompt_groups(row_prompts(Path(data.path), n), n)
     generator = torch.Generator().manual_seed(mix_seed(seed, SPLIT_STREAM))
-    order = torch.randperm(n, generator=generator).tolist()
-    return tuple(sorted(order[:keep])), tuple(sorted(order[keep:]))
+    train: list[int] = []
+    for g in torch.randperm(len(groups), generator=generator).tolist():
+        if len(train) >= keep:
+            break
+        train += groups[g]
+    if not 0 < len(train) < n:
+        empty = "no training sample" if not train else "no held-out sample"
+        raise DataError(
+            f"train_data_ratio {train_ratio:g} of the {n} samples in {data.path} "
+            f"({len(groups)} prompts) leaves {empty} (round({train_ratio:g} * {n}) = {keep} "
+            "train, whole prompts on each side); choose a ratio that keeps at least one "
+            "prompt on each side, or 1 for no split."
+        )
+    held = sorted(set(range(n)) - set(train))
+    return tuple(sorted(train)), tuple(held)
+
+
+def prompt_groups(prompts: Sequence[int] | None, n: int) -> list[list[int]]:
+    """The row indices of each prompt, prompts in order of their first row; ``prompts[i]``
+    is row ``i``'s prompt (None: each of the ``n`` rows alone).
+
+    Example: ``[0, 0, 2, 0, 5]`` -> ``[[0, 1, 3], [2], [4]]``.
+    """
+    if prompts is None:
+        return [[i] for i in range(n)]
+    rows: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        rows.setdefault(prompt, []).append(i)
+    return list(rows.values())
 
 
 def pack_rows(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]:

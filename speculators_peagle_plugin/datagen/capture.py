@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from ..common.files import atomic_write
-from ..common.reading import read_json
-from ..data.layout import HIDDEN_STATES_DIR, ROW_PROMPTS_FILE, DataError, hs_path
+from ..data.layout import HIDDEN_STATES_DIR, hs_path, row_prompts
 from ..data.storage import stored_tensors
 from ..model.target import FinalNormInput
 
@@ -208,21 +207,6 @@ def write_hidden_states(
     if todo:
         log_capture(len(todo), tokens, start, "transformers")
     return len(todo)
-
-
-def row_prompts(output: Path, rows: int) -> list[int] | None:
-    """The prompt each of the ``rows`` dataset rows of ``output`` answers; None for data
-    written before ``ROW_PROMPTS_FILE`` was (its rows' shared prefixes span prompts)."""
-    path = output / ROW_PROMPTS_FILE
-    if not path.exists():
-        return None
-    prompt = read_json(path, list)
-    if len(prompt) != rows:
-        raise DataError(
-            f"{path} does not name the prompt of each of the {rows} dataset rows; delete it "
-            "and the dataset's files to rebuild them."
-        )
-    return prompt
 
 
 def pending_rows(output: Path, shape_tail: tuple[int, int]):
