@@ -155,6 +155,8 @@ def _coerce(name: str, value, hint):
         (hint,) = [a for a in args if a is not type(None)]
     if get_origin(hint) is tuple:
         item = get_args(hint)[0]
+        if item is str and isinstance(value, str):  # one string for a list of them
+            return (value,)
         if isinstance(value, list | tuple) and all(
             isinstance(v, item) and not isinstance(v, bool) for v in value
         ):

@@ -42,7 +42,7 @@ class HiddenStatesSource(Protocol):
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]: ...
 
 
-def _sample_problem(loaded: dict, input_ids: torch.Tensor, shape_tail: tuple[int, int]) -> str:
+def sample_problem(loaded: dict, input_ids: torch.Tensor, shape_tail: tuple[int, int]) -> str:
     """What is wrong with a loaded hidden-state sample, or "" if nothing.
 
     Our own checks rather than speculators' ``check_hidden_states``: its messages print the
@@ -68,6 +68,7 @@ def _sample_problem(loaded: dict, input_ids: torch.Tensor, shape_tail: tuple[int
 
 def _checked_arrow_dataset_class():
     from speculators.train.data import ArrowDataset
+    from speculators.train.recovery import SampleUnavailable
 
     class CheckedArrowDataset(ArrowDataset):
         """speculators' ``ArrowDataset`` (on_missing="raise") whose bad files raise DataError.
@@ -94,8 +95,10 @@ def _checked_arrow_dataset_class():
                     raise DataError(f"{what} is corrupt or truncated ({err}).") from err
                 if loaded is None:
                     raise DataError(f"{what} is missing.")
+            if isinstance(loaded, SampleUnavailable):  # a server gave none (on_missing)
+                return loaded
             row = self.data[index]
-            problem = _sample_problem(loaded, row["input_ids"], self.shape_tail)
+            problem = sample_problem(loaded, row["input_ids"], self.shape_tail)
             if problem:
                 raise DataError(f"{what} {problem}.")
             hidden = loaded["hidden_states"]

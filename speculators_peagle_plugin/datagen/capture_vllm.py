@@ -39,19 +39,25 @@ CAPTURE_LOG_FILE = "vllm-capture.log"
 VLLM_CONNECTOR = f"{__package__}.vllm_connector"
 
 
+def extract_hidden_states_config(layer_ids, num_layers: int) -> dict:
+    """vLLM's ``speculative_config`` that captures aux layers ``layer_ids`` and the last
+    layer ``num_layers`` of every prompt token."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,  # the method's only value; it drafts nothing
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}
+        },
+    }
+
+
 def capture_engine_overrides(
     config: DataGenConfig, layer_ids: tuple[int, ...], num_layers: int, staging: Path
 ) -> dict:
     """``LLM(...)`` arguments of an engine that writes each request's prompt states."""
     return {
         "tensor_parallel_size": config.tensor_parallel_size,
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,  # the method's only value; it drafts nothing
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}
-            },
-        },
+        "speculative_config": extract_hidden_states_config(layer_ids, num_layers),
         "kv_transfer_config": {
             "kv_connector": "HiddenStatesFileConnector",
             "kv_connector_module_path": VLLM_CONNECTOR,

@@ -6,7 +6,7 @@ Modules: ``train_config``, ``peagle_trainer`` (seed API), ``batch`` / ``plan`` /
 CUDA), ``algorithm`` (entry points), ``optim`` (optimizer and scheduler sections),
 ``distributed`` (ranks, wrappers; the ``runtime`` section), ``step``, ``checkpoint`` (the
 ``trainer`` section), ``progress`` (the ``logging`` section), ``online`` (the ``online``
-section), ``validation`` / ``heldout`` (held-out scoring), ``prefetch``, ``loop``,
-``pretrained`` (starting from a trained draft), ``speculators_keys`` (speculators' ``train``
-YAML), ``trackers`` (metric trackers).
+section), ``served`` (rows' states from vLLM servers), ``validation`` / ``heldout``
+(held-out scoring), ``prefetch``, ``loop``, ``pretrained`` (starting from a trained draft),
+``speculators_keys`` (speculators' ``train`` YAML), ``trackers`` (metric trackers).
 """

@@ -45,7 +45,10 @@ STATE_FILE = "training_state.pt"
 # Fields that may change between a run and its resumption; any other change is refused.
 RESUMABLE_CHANGES = frozenset(
     {"max_steps", "epochs", "resume", "no_resume_from_checkpoint", "log_freq",
-     "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience"}
+     "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience",
+     # where and how patiently rows' states are fetched, not which states they are
+     "vllm_endpoint", "on_generate", "request_timeout", "max_retries",
+     "generation_validation_retries", "max_consecutive_generation_failures"}
 )
 # Compared after resolving: the same directory, however it is spelled, is no change.
 PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path", "from_pretrained"})

