@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,13 +21,16 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.serve import vllm_server
-from helpers.training import refusal, run_cli
+from helpers.training import config_for, refusal, run_cli, train_args
 from safetensors.torch import load_file
 from tiny_vllm import LAYER_IDS, LAYERS, PROMPTS, tiny_vllm_target
 
+from speculators_peagle_plugin.common.errors import UserError
 from speculators_peagle_plugin.datagen import served_states
 from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
+from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.progress import METRICS_FILE
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_VOCAB = 64
@@ -113,6 +117,53 @@ def test_the_docs_give_the_server_command():
         assert any(shlex.join(command) in block for block in blocks), command
 
 
+# ------------------------------------------------ rows without states, no server needed
+
+
+@pytest.fixture(scope="module")
+def partial(tiny_workdir_once, tmp_path_factory):
+    """The tiny work directory with rows 1 and 3 lacking their hidden-state files."""
+    root = shutil.copytree(tiny_workdir_once, tmp_path_factory.mktemp("partial") / "w")
+    for i in (1, 3):
+        (root / "data" / "hidden_states" / f"hs_{i}.safetensors").unlink()
+    return root
+
+
+def test_skip_and_warn_train_without_the_rows_that_lack_states(partial, tmp_path, caplog):
+    skip = build_training(config_for(partial, tmp_path / "s", on_missing="skip", max_steps=1))
+    assert set(skip.batches.samples) == set(range(16)) - {1, 3}
+    assert skip.batches.data.online.endpoints == []  # no server was contacted
+    with caplog.at_level("WARNING"):
+        warn = build_training(config_for(partial, tmp_path / "w", on_missing="warn"))
+    assert warn.batches.samples == skip.batches.samples
+    assert "lacks the hidden states of 2 of 16 rows (first: hs_1.safetensors)" in caplog.text
+
+
+def test_on_missing_raise_refuses_the_rows_that_lack_states(partial, tmp_path):
+    args = train_args(partial, tmp_path / "save", "--max-steps", "1", "--on-missing", "raise")
+    line = refusal(*run_cli(args))
+    assert "lacks the hidden states of 2 of 16 rows (first: hs_1.safetensors)" in line, line
+
+
+def test_speculators_generation_group_sets_our_keys(tmp_path):
+    (tmp_path / "run.yaml").write_text(
+        "train:\n  verifier:\n    verifier_name_or_path: t\n  data:\n    data_path: d\n"
+        "  generation:\n    vllm_endpoint: http://h:9000/v1\n    on_missing: warn\n"
+        "    max_retries: 0\n    request_timeout: 5\n"
+    )
+    gen = TrainConfig.from_sources(tmp_path / "run.yaml").generation
+    assert gen.vllm_endpoint == ("http://h:9000/v1",) and gen.on_missing == "warn"
+    assert (gen.max_retries, gen.request_timeout) == (0, 5.0)
+    assert gen.generation_validation_retries == 2 and gen.max_consecutive_generation_failures == 20
+    for bad in ({"vllm_endpoint": ("h:8000",)}, {"max_consecutive_generation_failures": 0},
+                {"on_missing": "ask"}, {"request_timeout": 0}):
+        with pytest.raises(UserError):
+            served_states.GenerationConfig(**bad)
+
+
+# ------------------------------------------------------------ a real vllm serve
+
+
 @pytest.mark.slow
 def test_a_wrong_endpoint_another_model_or_no_extraction_is_one_sentence_before_training(
     workdir, tmp_path
@@ -166,6 +217,53 @@ def test_a_fetched_state_of_other_tokens_is_one_sentence_naming_row_and_server(
     assert re.search(r"The hidden states of row \d+ from the vLLM server at "
                      + re.escape(base) + r"/v1 failed \(they hold token ids that differ", line)
     assert len(checks) == 3 and not checkpoint_dirs(tmp_path / "save")  # 2 attempts, no step
+
+
+@pytest.mark.slow
+def test_a_row_that_fails_every_attempt_is_dropped_and_training_goes_on(
+    workdir, server, tmp_path, monkeypatch
+):
+    base, _ = server
+    checks = []
+
+    def one_row_fails(loaded, token_ids, shape_tail):
+        checks.append(len(token_ids))  # the first is the check before training
+        return "holds non-finite hidden states" if len(checks) in (2, 3) else ""
+
+    monkeypatch.setattr(served_states, "sample_problem", one_row_fails)
+    code, out = train(workdir, tmp_path / "save", "tokens", "--vllm-endpoint", base, *FAST[:2],
+                      "--generation-validation-retries", "1",
+                      "--max-consecutive-generation-failures", "2")
+    assert code == 0, out
+    code, out = train(workdir, tmp_path / "files", "data")
+    assert code == 0, out
+    dropped = [json.loads(line)["tokens"] for line in open(tmp_path / "save" / METRICS_FILE)]
+    full = [json.loads(line)["tokens"] for line in open(tmp_path / "files" / METRICS_FILE)]
+    assert dropped[0] == full[0] - (checks[1] - 1) and dropped[1:] == full[1:]
+
+
+@pytest.mark.slow
+def test_two_ranks_from_a_server_log_the_losses_of_two_ranks_on_the_files(
+    workdir, server, tmp_path
+):
+    """torchrun, 2 ranks, each fetching the rows of its own packed rows."""
+    base, _ = server
+
+    def torchrun(save, data, *extra):
+        args = ["train", "--verifier-name-or-path", str(workdir / "target"), "--data-path",
+                str(workdir / data), "--save-path", str(save), "--draft-vocab-size",
+                str(DRAFT_VOCAB), "--num-depths", "3", "--total-seq-len", "128", "--seed", "3",
+                "--max-steps", "1", "--log-freq", "1", "--device", "cpu", *extra]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(psutil_free_port()), "-m", "speculators_peagle_plugin",
+               *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+        return losses(save)
+
+    served = torchrun(tmp_path / "served", "tokens", "--vllm-endpoint", base)
+    assert served == pytest.approx(torchrun(tmp_path / "files", "data"), rel=1e-5, abs=1e-6)
 
 
 def psutil_free_port() -> int:
