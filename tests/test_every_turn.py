@@ -219,7 +219,7 @@ def test_a_prompts_file_of_several_user_turns_regenerates_each_in_order(tmp_path
     assert generated == sum(sum(r["loss_mask"]) for rows in done.values() for r in rows)
 
 
-def test_sharegpt_turns_feed_the_regeneration_one_row_per_userturn(fake_sharegpt):
+def test_sharegpt_turns_feed_the_regeneration_one_row_per_user_turn(fake_sharegpt):
     fake_sharegpt(HAND_ROWS)
     conversations = load_prompts("sharegpt_turns")
     done = {}

@@ -160,15 +160,29 @@ def read_json_objects(path: str | Path) -> tuple[list, bool]:
         rows.append(row)
 
 
+@lru_cache(maxsize=1)
 def sharegpt_first_turns() -> tuple[str, ...]:
     """The ``sharegpt`` set: the first turn of each complete ShareGPT conversation whose first
     turn is a non-empty human turn, in the file's order (parsed once per process)."""
-    return _sharegpt()[0]
+    first = []
+    for turns in _sharegpt_turn_lists("sharegpt"):
+        opening = turns[0] if turns else None
+        if (
+            isinstance(opening, dict)
+            and opening.get("from") == "human"
+            and isinstance(opening.get("value"), str)
+            and opening["value"].strip()
+        ):
+            first.append(opening["value"])
+    logger.info("ShareGPT: %d conversations open with a human turn.", len(first))
+    return tuple(first)
 
 
+@lru_cache(maxsize=1)
 def sharegpt_conversations() -> tuple[tuple[str, ...], ...]:
     """The ``sharegpt_turns`` set: every complete ShareGPT conversation whose turns alternate
-    cleanly, as its turns' texts (user, reply, user, ...), in the file's order.
+    cleanly, as its turns' texts (user, reply, user, ...), in the file's order (parsed once
+    per process).
 
     Kept: turns ``human``, ``gpt``, ``human``, ... from the first (a last human turn without
     its reply is kept too), every text a string, every human text non-blank. Dropped: a
@@ -178,14 +192,18 @@ def sharegpt_conversations() -> tuple[tuple[str, ...], ...]:
     Example: ``[human "hi", gpt "hello", human "and?"]`` -> ``("hi", "hello", "and?")``;
     ``[gpt "...", human "go on"]`` is dropped.
     """
-    return _sharegpt()[1]
+    whole = [texts for texts in map(_alternating, _sharegpt_turn_lists("sharegpt_turns")) if texts]
+    logger.info(
+        "ShareGPT: %d conversations alternate cleanly (%d human turns).",
+        len(whole),
+        sum(len(texts) - len(texts) // 2 for texts in whole),
+    )
+    return tuple(whole)
 
 
-def _alternating(turns) -> tuple[str, ...] | None:
+def _alternating(turns: list) -> tuple[str, ...] | None:
     """The texts of ``turns`` when they alternate human / gpt from a human one, every text a
     string and every human one non-blank; else None."""
-    if not isinstance(turns, list) or not turns:
-        return None
     texts = []
     for i, turn in enumerate(turns):
         speaker = ("human", "gpt")[i % 2]
@@ -195,39 +213,23 @@ def _alternating(turns) -> tuple[str, ...] | None:
         if not isinstance(text, str) or (speaker == "human" and not text.strip()):
             return None
         texts.append(text)
-    return tuple(texts)
+    return tuple(texts) or None
 
 
-@lru_cache(maxsize=1)
-def _sharegpt() -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """``(sharegpt_first_turns(), sharegpt_conversations())`` from one parse of the file."""
+def _sharegpt_turn_lists(name: str) -> list[list]:
+    """The ``conversations`` list of each complete element of the ShareGPT file (an element
+    without one gives ``[]``), for set ``name``'s log line."""
     path = wheel_set_file("sharegpt")
     rows, cut = read_json_objects(path)
-    first, whole = [], []
-    for row in rows:
-        turns = row.get("conversations") if isinstance(row, dict) else None
-        opening = turns[0] if isinstance(turns, list) and turns else None
-        if (
-            isinstance(opening, dict)
-            and opening.get("from") == "human"
-            and isinstance(opening.get("value"), str)
-            and opening["value"].strip()
-        ):
-            first.append(opening["value"])
-        texts = _alternating(turns)
-        if texts is not None:
-            whole.append(texts)
     logger.info(
-        "ShareGPT: %d complete conversations in %s (%s), %d opening with a human turn, %d "
-        "alternating cleanly (%d human turns).",
+        "%s: %d complete conversations in %s (%s).",
+        name,
         len(rows),
         path.name,
         "cut short" if cut else "whole",
-        len(first),
-        len(whole),
-        sum(len(texts) - len(texts) // 2 for texts in whole),
     )
-    return tuple(first), tuple(whole)
+    lists = (row.get("conversations") if isinstance(row, dict) else None for row in rows)
+    return [turns if isinstance(turns, list) else [] for turns in lists]
 
 
 def olmo_docs(name: str) -> list[dict]:

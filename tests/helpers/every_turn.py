@@ -34,7 +34,11 @@ def sharegpt_file(tmp_path, monkeypatch):
 
     def write(rows):
         path.write_text(json.dumps(rows))
-        prompt_sources._sharegpt.cache_clear()
+        clear()
+
+    def clear():
+        prompt_sources.sharegpt_first_turns.cache_clear()
+        prompt_sources.sharegpt_conversations.cache_clear()
 
     yield write
-    prompt_sources._sharegpt.cache_clear()
+    clear()
