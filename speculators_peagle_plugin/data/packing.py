@@ -1,6 +1,7 @@
 """Packing samples into ``[1, S]`` rows: deterministic per ``(seed, epoch)``, split over ranks;
-the seeded split of a data directory into training and held-out samples by prompt; and the ``data``
-section: what training reads, how long its rows are, what is held out.
+the seeded split of a data directory into training and held-out samples, whole prompts on
+each side; and the ``data`` section: what training reads, how long its rows are, what is
+held out.
 
 Legend: ``S`` = tokens per packed row, ``H`` = target hidden size, ``n_aux`` = aux layers.
 """

@@ -2,10 +2,10 @@
 
 Each built-in set is a file inside an installed wheel (read, never imported) or the
 package's own ``chat.jsonl``; :func:`source_rows` gives a source's raw rows, which
-:mod:`.prompts` turns into conversations, slices and mixes. ShareGPT gives two sets from one
-parse of its file: ``sharegpt``, the first human turn of each conversation, and
-``sharegpt_turns``, each whole conversation (:func:`sharegpt_conversations`), whose every
-user turn generation answers anew, in order.
+:mod:`.prompts` turns into conversations, slices and mixes. ShareGPT's file gives two sets:
+``sharegpt``, the first human turn of each conversation, and ``sharegpt_turns``, each whole
+conversation (:func:`sharegpt_conversations`), whose every user turn generation answers
+anew, in order.
 """
 
 from __future__ import annotations
