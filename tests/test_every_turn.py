@@ -200,12 +200,18 @@ def _random_conversation(rng):
 @pytest.mark.parametrize("seed", range(5))
 def test_a_prompts_file_of_several_user_turns_regenerates_each_in_order(tmp_path, seed):
     rng = random.Random(seed)
-    rows = [{"messages": _random_conversation(rng)} for _ in range(7)]
+    chats = [_random_conversation(rng) for _ in range(7)]
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    rows = [  # role/content rows and ShareGPT's from/value rows, alternately
+        {"messages": c}
+        if i % 2
+        else {"conversations": [turn(speaker[m["role"]], m["content"]) for m in c]}
+        for i, c in enumerate(chats)
+    ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     conversations = load_prompts(path)
-    expected_turns = [[m for m in r["messages"] if m["role"] != "assistant"] for r in rows]
-    assert conversations == expected_turns
+    assert conversations == [[m for m in c if m["role"] != "assistant"] for c in chats]
     indices = sorted(rng.sample(range(100), len(conversations)))
     done = {}
     generated = _regenerate(
