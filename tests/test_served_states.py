@@ -155,6 +155,9 @@ def test_speculators_generation_group_sets_our_keys(tmp_path):
     assert gen.vllm_endpoint == ("http://h:9000/v1",) and gen.on_missing == "warn"
     assert (gen.max_retries, gen.request_timeout) == (0, 5.0)
     assert gen.generation_validation_retries == 2 and gen.max_consecutive_generation_failures == 20
+    flat = TrainConfig.from_sources(verifier_name_or_path="t", data_path="d",
+                                    vllm_endpoint="http://h:9001/v1")
+    assert flat.generation.vllm_endpoint == ("http://h:9001/v1",)  # one URL for the list
     for bad in ({"vllm_endpoint": ("h:8000",)}, {"max_consecutive_generation_failures": 0},
                 {"on_missing": "ask"}, {"request_timeout": 0}):
         with pytest.raises(UserError):
