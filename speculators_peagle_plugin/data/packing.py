@@ -247,6 +247,8 @@ class PackedBatches:
         return [self._collate_row(self.step_samples(epoch, step, r)) for r in ranks]
 
     def _collate_row(self, samples: list[int]) -> dict:
+        if hasattr(self.data.online, "prefetch"):  # a server's rows: requested all at once
+            self.data.online.prefetch(samples)
         batch = self._collate([self.data.dataset[i] for i in samples])
         docs = batch["document_ids"]
         out = {

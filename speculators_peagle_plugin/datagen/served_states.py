@@ -21,6 +21,8 @@ used as they are: ``generate_hidden_states``, ``FP8Transfer`` and ``GenerationRe
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,9 @@ DEFAULT_ENDPOINT = "http://localhost:8000/v1"  # speculators' default
 ON_MISSING = ("generate", "skip", "warn", "raise")
 DOCS = "docs/training.md, 'Hidden states from vLLM servers'"
 PROBE_TOKENS = 8  # tokens of the first row sent by the check before training
+# Requests in flight per server: a server batches them (vLLM's continuous batching), so a
+# packed row's documents are computed together rather than one after another.
+REQUESTS_PER_SERVER = 4
 
 
 @dataclass(frozen=True)
@@ -176,9 +181,11 @@ class ServedHiddenStates:
 
     ``get_cached(i)`` returns row ``i``'s ``{"hidden_states": [seq, n_aux+1, H],
     "token_ids": [seq]}``: from ``DIR/hidden_states/hs_<i>.safetensors`` if it exists, else
-    from the next server in turn (:meth:`connect` first). A row that fails every attempt is a
-    ``SampleUnavailable`` (speculators drops it from its step), and the
-    ``max_consecutive_generation_failures``-th such row in a row raises :class:`ServerFailed`.
+    from the next server in turn (:meth:`connect` first); :meth:`prefetch` requests a packed
+    row's documents at once. A row that fails every attempt is a ``SampleUnavailable``
+    (speculators drops it from its step), and the ``max_consecutive_generation_failures``-th
+    such row in a row raises :class:`ServerFailed`. A server computes the rows in flight
+    together, so a row's states may differ in the last bits with what it was batched with.
 
     Args:
         data_path: the data directory.
@@ -212,9 +219,11 @@ class ServedHiddenStates:
             config.generation_validation_retries, config.max_consecutive_generation_failures
         )
         self.endpoints: list[Endpoint] = []
-        self.rows, self.turn, self.fetched = None, 0, 0
+        self.rows, self.turn, self.lock = None, 0, threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: dict[int, Future] = {}  # row -> its fetch in flight (:meth:`prefetch`)
         self.dropped: frozenset[int] = frozenset()
-        self._last_failure = ""
+        self.failed = False  # set once ServerFailed is raised
 
     def attach(self, rows, lengths: list[int]) -> None:
         self.rows = rows
@@ -248,6 +257,16 @@ class ServedHiddenStates:
             f"{[*self.layer_ids]} and the last layer, writing where this machine reads."
         )
 
+    def prefetch(self, indices) -> None:
+        """Start fetching the rows ``indices`` that lack a file, up to
+        :data:`REQUESTS_PER_SERVER` per server at once; :meth:`get_cached` takes them."""
+        if self.pool is None:
+            workers = REQUESTS_PER_SERVER * max(1, len(self.endpoints))
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="served-states")
+        for i in indices:
+            if i not in self.pending and not hs_path(self.hs_dir, i).exists():
+                self.pending[i] = self.pool.submit(self._fetch, i)
+
     def get_cached(self, file_idx: int):
         path = hs_path(self.hs_dir, file_idx)
         if path.exists():
@@ -257,36 +276,48 @@ class ServedHiddenStates:
                 raise DataError(
                     f"Hidden-state file {path} is corrupt or truncated ({err})."
                 ) from err
-        token_ids = torch.as_tensor(self.rows[file_idx]["input_ids"]).long()
+        pending = self.pending.pop(file_idx, None)
+        return self._fetch(file_idx) if pending is None else pending.result()
+
+    def get_generated(self, hs_transfer_params):
+        return self.transfer.get_generated(hs_transfer_params)
+
+    def _fetch(self, index: int):
+        """Row ``index``'s states after speculators' complete attempts; a
+        ``SampleUnavailable`` if they all failed, :class:`ServerFailed` if too many rows in a
+        row did."""
+        token_ids = torch.as_tensor(self.rows[index]["input_ids"]).long()
+        failures: list[str] = []
         result = self.guard.run(
-            lambda: self._fetch_row(file_idx, token_ids),
-            description=f"Hidden states of row {file_idx} from a vLLM server",
+            lambda: self._fetch_row(index, token_ids, failures),
+            description=f"Hidden states of row {index} from a vLLM server",
         )
         if getattr(result, "fatal", False):
+            self.failed = True  # the rows still waiting are not requested
+            for future in self.pending.values():
+                future.cancel()
             raise ServerFailed(
-                f"{self._last_failure}, after {self.config.generation_validation_retries + 1} "
-                f"attempt(s), and {self.guard.consecutive_failures} row(s) in a row failed "
+                f"{failures[-1]}, after {len(failures)} attempt(s), and "
+                f"{self.guard.consecutive_failures} row(s) in a row failed "
                 "(--max-consecutive-generation-failures); check the servers and run the same "
                 "command again to resume from the last checkpoint."
             )
         return result
 
-    def get_generated(self, hs_transfer_params):
-        return self.transfer.get_generated(hs_transfer_params)
-
-    def _fetch_row(self, index: int, token_ids: torch.Tensor):
-        endpoint = self.endpoints[self.turn % len(self.endpoints)]
-        self.turn += 1
+    def _fetch_row(self, index: int, token_ids: torch.Tensor, failures: list[str]):
+        if self.failed:
+            raise ServerFailed("another row's states failed; training stops")
+        with self.lock:
+            endpoint = self.endpoints[self.turn % len(self.endpoints)]
+            self.turn += 1
         try:
-            states = self._fetch_once(endpoint, token_ids)
+            return self._fetch_once(endpoint, token_ids)
         except Exception as err:
-            self._last_failure = (
+            failures.append(
                 f"The hidden states of row {index} from the vLLM server at {endpoint.url} "
                 f"failed ({_reason(err)})"
             )
             raise
-        self.fetched += 1
-        return states
 
     def _fetch_once(self, endpoint: Endpoint, token_ids: torch.Tensor) -> dict:
         """One request, read and check; the server's file is deleted whatever happens."""
