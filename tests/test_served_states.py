@@ -288,11 +288,12 @@ def listening_pid(base: str) -> int:
 
 
 @pytest.mark.slow
-def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_checkpoint_stays(
+def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_rerun_resumes(
     workdir, server, tmp_path, monkeypatch
 ):
-    """Runs last: it kills the module's server before the second step's rows are read. The
-    refusals run first, before the module's server starts: one engine at a time."""
+    """Runs last: it kills the module's server before the second step's rows are read (the
+    refusals run first, before the module's server starts: one engine at a time). The rerun
+    fetches from a new server at another address."""
     base, _ = server
     attempts, fetch_row, read = [], served_states.ServedHiddenStates._fetch_row, RowsAhead._read
 
@@ -319,3 +320,13 @@ def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_checkpoint
     assert kept.name == "checkpoint-1" and load_file(kept / "model.safetensors")
     assert not [p for p in save.rglob("*") if ".tmp" in p.name]
     assert len(losses(save)) == 1
+    # The same command, at a new server's address, resumes to the run on the files.
+    monkeypatch.undo()
+    with vllm_server(serve(str(workdir / "target"), tmp_path / "hs"), tmp_path / "again.log",
+                     tmp_path, {"PYTHONPATH": str(REPO)}) as again:
+        code, out = train(workdir, save, "tokens", "--vllm-endpoint", again,
+                          "--checkpoint-freq", "0.01", *FAST)
+    assert code == 0, out
+    code, out = train(workdir, tmp_path / "files", "data")
+    assert code == 0, out
+    assert losses(save) == pytest.approx(losses(tmp_path / "files"), rel=1e-5, abs=1e-6)
