@@ -20,8 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.imports import recorded, recording_hook
 from helpers.serve import vllm_server
 from tiny_vllm import tiny_vllm_target
+
+from eval import prepare_gpu
 
 REPO = Path(__file__).parent.parent
 TARGET = "/models/Llama-3.1-8B-Instruct"
@@ -43,9 +46,11 @@ EXTRA = {  # the flags each README command gets here
                          "--partition-curve-seq-len", "128", "--partitions", "2",
                          "--long-seq-len", "0"],
     "side_by_side": ["--steps", "2"],
-    "ablate": ["--steps", "1", "--seeds", "0"],
+    # held out only: the served path is side_by_side's (eval.demo_run.served_acceptance)
+    "ablate": ["--steps", "1", "--seeds", "0", "--no-serve"],
     "profile_step": ["-k", "2", "--prompts", "humaneval[120:123]", "--warmup", "1",
-                     "--max-new-tokens", "8", "--kv-cache-gb", "1", "--out", "{tmp}/profile"],
+                     "--max-new-tokens", "8", "--kv-cache-gb", "1", "--out", "{tmp}/profile",
+                     "--enforce-eager"],  # compiled engines: test_eval_vllm's sweep
 }
 SUBSTITUTE = {
     '"humaneval[120:164]"': "humaneval[120:122]",  # held-out slices, shortened
@@ -127,9 +132,9 @@ def prepared(command: str, root: Path, target: str, **fill) -> list[str]:
     return words + [w.format(tmp=root, **fill) for w in EXTRA[kind(command)]]
 
 
-def run(words: list[str], root: Path, timeout: float = 900) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=str(REPO))
+def run(words: list[str], root: Path, timeout: float = 900, env: dict | None = None) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": str(REPO), **(env or {})}
     done = subprocess.run(words, cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, f"{shlex.join(words)}\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
@@ -229,12 +234,41 @@ def test_eval_command_measures_acceptance(trained):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
-def test_selftest_command_passes(tmp_path):
+def test_selftest_command_passes_and_the_gpu_wheels_cover_its_imports(tmp_path):
+    """The README's selftest, quick and profiled on CPU, with ours alone at a second length;
+    every process it starts imports only what the GPU machine's wheels and image hold."""
+    hook, imports = recording_hook(tmp_path)
     (cmd,) = commands_of(("selftest",))
-    run(prepared(cmd, tmp_path, ""), tmp_path)
-    record = json.loads((tmp_path / "selftest.json").read_text())
-    assert record["passed"] and any(c["status"] == "PASS" for c in record["checks"])
+    words = prepared(cmd, tmp_path, "") + ["--ours-seq-lens", "512", "--profile"]
+    path = os.pathsep.join([str(hook), str(REPO)])
+    out = run(words, tmp_path, env={"IMPORTS_DIR": str(imports), "PYTHONPATH": path})
+    lines = out.splitlines()
+    assert lines[0].startswith("versions: python") and "speculators 0.9" in lines[0]
+    for name in ("attention chunked float32", "attention chunked bfloat16",
+                 "training step float32", "training step bfloat16",
+                 "partitioned step == flat step", "step ours 256 tokens",
+                 "step ours 512 tokens", "step speculators 256 tokens"):
+        assert f"PASS {name}: " in out, name
+    assert "SKIP torchrun DDP: --quick" in out and "FAIL" not in out
+    assert any(line.startswith("ratio 256 tokens: ours ") for line in lines)
+    assert "selftest: 8 passed, 0 failed, 2 skipped" in out
+    saved = json.loads((tmp_path / "selftest.json").read_text())
+    assert saved["passed"] and saved["stack"]["device"] == "cpu"
+    assert [c["status"] for c in saved["checks"]].count("PASS") == 8
+    assert saved["speed"]["speculators"]["lengths"]["256"]["tokens_per_s"] > 0
+    assert "512" not in saved["speed"]["speculators"]["lengths"]  # ours alone runs it
+    for side in ("ours", "speculators"):  # one profiled step per side, beside the record
+        table = (tmp_path / f"profile-{side}-256.txt").read_text()
+        assert "Self CPU" in table and len(table.splitlines()) >= 10
+
+    runs = recorded(imports)
+    perf = [r for r in runs if r["argv"][0].endswith("perf.py")]
+    assert len(perf) == 2, [r["argv"] for r in runs]  # one process per side
+    assert not any(r["vllm"] for r in runs), "the selftest imported vLLM"
+    used = {prepare_gpu.normalize(d) for r in runs for d in r["dists"]}
+    covered = set(prepare_gpu.wheels_to_ship()) | prepare_gpu.GPU_IMAGE
+    assert "speculators" in prepare_gpu.wheels_to_ship()
+    assert used - covered - {prepare_gpu.OWN} == set()
 
 
 @pytest.mark.parametrize("name", ["bench_sampler", "bench_train_step"])
@@ -293,11 +327,12 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
         ("baseline", 0, 1), ("hard50", 0, 1)
     ]
     for cell in record["cells"]:
-        assert set(cell["served"]) == set(summary["config"]["eval_prompts"])
-        assert list(cell["heldout"]) == [heldout] and cell["peak_rss_gib"] > 0
+        assert cell["served"] == {} and cell["peak_rss_gib"] > 0
+        assert list(cell["heldout"]) == [heldout]
+        assert 0 <= cell["heldout"][heldout]["accuracy_per_depth"][0] <= 1
         recipe = yaml.safe_load((tmp_path / "ablate" / cell["variant"] / "train.yaml").read_text())
         assert recipe.get("hard_label_weight", 0.0) == (0.5 if cell["variant"] == "hard50" else 0)
-    assert "| served " + summary["config"]["eval_prompts"][0] in out
+    assert f"| held out {heldout}: " in out
 
     (cmd,) = commands_of(("profile_step",))
     words = prepared(cmd, tmp_path, "")
