@@ -300,3 +300,61 @@ def test_concurrency_1_cells_take_turns_and_add_up_to_the_whole_cells(tmp_path, 
         sizes[r["prompt_set"]] if r["concurrency"] == 1 else 1 for r in runs[True]
     ]
     assert sum(r["engine"] is not None for r in runs[True]) == 3  # each engine started once
+
+
+@pytest.mark.parametrize(("ks", "concurrency", "at_max"), [
+    ((2, 4), (1, 16), (4,)), ((1, 2, 4), (1, 4, 16), (1, 4)), ((3,), (2,), (3,)),
+    ((2, 4), (1, 16), None),
+])
+def test_the_largest_concurrency_runs_only_its_ks_and_every_engine_still_serves_it(
+    tmp_path, ks, concurrency, at_max
+):
+    from speculators_peagle_plugin.evaluation import harness
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft").mkdir()
+    config = EvalConfig.from_sources(
+        target=str(tmp_path), drafts=(str(tmp_path / "draft"),), ks=ks, concurrency=concurrency,
+        ks_at_max_concurrency=at_max, prompt_sets=("a", "b"), output_dir=str(tmp_path / "out"),
+    )
+    jobs = harness._jobs(config, {"a": [[1], [2]], "b": [[3]]})
+    top = max(concurrency)
+    expected = {  # brute force: every (K, c, set), less the K left out at the top
+        (k, c, name) for k in (0, *ks) for c in concurrency for name in ("a", "b")
+        if not (k and c == top and at_max is not None and k not in at_max)
+    }
+    got = [(j.engine.num_speculative_tokens or 0, j.engine.batch_size, j.prompt_set)
+           for j in jobs]
+    assert sorted(got) == sorted(expected)
+    assert {j.engine.max_num_seqs for j in jobs} == {top}  # one engine per (draft, K)
+
+
+def test_the_recommendation_at_the_largest_concurrency_weighs_only_the_ks_run_there():
+    runs = [{"draft": "d", "label": "d", "prompt_set": "a", "k": k, "concurrency": c,
+             "tokens_per_s": t, "outputs": ["x"]} for k, c, t in
+            [(0, 1, 10.0), (2, 1, 12.0), (4, 1, 11.0), (0, 16, 100.0), (4, 16, 70.0)]]
+    compare_with_baseline(runs)
+    by_c = {r["concurrency"]: r for r in recommend(runs)}
+    assert by_c[1]["k"] == 2 and by_c[16]["k"] is None
+    assert by_c[16]["speedup_by_k"] == {4: pytest.approx(0.7)}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-k", "2,4", "--ks-at-max-concurrency", "8"],
+     "ks_at_max_concurrency must be some of the K swept ([2, 4]), got [8]."),
+    (["--server", "http://127.0.0.1:9", "--ks-at-max-concurrency", "4"],
+     "--ks-at-max-concurrency cannot be used with --server"),
+])
+def test_ks_at_the_largest_concurrency_outside_the_sweep_or_with_servers_is_one_sentence(
+    tmp_path, args, message
+):
+    from click.testing import CliRunner
+
+    from speculators_peagle_plugin.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft").mkdir()
+    result = CliRunner().invoke(main, ["eval", "--target", str(tmp_path), "--draft",
+                                       str(tmp_path / "draft"), *args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output

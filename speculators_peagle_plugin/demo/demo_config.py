@@ -23,10 +23,13 @@ def _demo_replies() -> ReplyConfig:
 
 
 def _demo_sweep() -> SweepConfig:
-    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
+    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench).
+    # At 16 in flight K = 4 alone: its acceptance on every prompt, and the speedup that
+    # decides the recommendation there (K = 2 stays under 1x there: eval/RESULTS.md 4).
     return SweepConfig(
         prompt_sets=("humaneval[120:164]", "chat[100:]", "mt_bench[::10]"), ks=(2, 4),
-        concurrency=(1, 16), prompts_per_slot=4, max_new_tokens=128, enforce_eager=False,
+        concurrency=(1, 16), ks_at_max_concurrency=(4,), prompts_per_slot=4,
+        max_new_tokens=128, enforce_eager=False,
     )
 
 
@@ -150,6 +153,7 @@ QUICK = dict(
     gen_batch_size=6,
     max_steps=2,
     eval_ks=(2,),
+    eval_ks_at_max_concurrency=(2,),
     eval_concurrency=(1, 2),
     eval_prompts_per_slot=1,
     eval_max_new_tokens=24,

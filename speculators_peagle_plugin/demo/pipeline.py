@@ -297,6 +297,9 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
             args += ["--prompts", spec]
         if config.sweep.enforce_eager:
             args.append("--enforce-eager")
+        if config.sweep.ks_at_max_concurrency:
+            ks = config.sweep.ks_at_max_concurrency
+            args += ["--ks-at-max-concurrency", ",".join(map(str, ks))]
         _command(args, echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
@@ -308,6 +311,8 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         "prompts_per_slot": config.sweep.prompts_per_slot,
         "max_new_tokens": config.sweep.max_new_tokens, "dtype": dtype,
         "enforce_eager": config.sweep.enforce_eager,
+        **({"ks_at_max_concurrency": list(config.sweep.ks_at_max_concurrency)}
+           if config.sweep.ks_at_max_concurrency else {}),
     }
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 

@@ -22,8 +22,8 @@ from ..serving.model_card import check_base_model
 
 BACKENDS = ("vllm", "reference")
 # Settings of the drafts and engines eval starts: a running server decodes with its own.
-ENGINE_KEYS = ("drafts", "ks", "backend", "baseline", "dtype", "max_model_len", "kv_cache_gb",
-               "in_process", "enforce_eager", "interleave")
+ENGINE_KEYS = ("drafts", "ks", "ks_at_max_concurrency", "backend", "baseline", "dtype",
+               "max_model_len", "kv_cache_gb", "in_process", "enforce_eager", "interleave")
 
 
 def _stamp() -> str:
@@ -41,6 +41,9 @@ class SweepConfig:
         max_new_tokens: per request.
         concurrency: requests in flight; several = a sweep, all on one engine per (draft, K)
             whose ``max_num_seqs`` is the largest.
+        ks_at_max_concurrency: the K run at the largest concurrency (None: every K). The
+            recommendation there compares no draft with these alone: for a sweep whose other
+            K do not pay at that load (drafting pays less with more requests in flight).
         prompts_per_slot: at concurrency c, decode only the first ``prompts_per_slot * c``
             prompts of each set (None: all), so that low-concurrency cells stay short.
         enforce_eager: vLLM's ``enforce_eager``; False (vLLM's default, what ``vllm serve``
@@ -65,6 +68,11 @@ class SweepConfig:
     max_new_tokens: int = _opt(128, "Tokens decoded per request.", card=True)
     concurrency: tuple[int, ...] = _opt(
         (1, 4, 16), "Requests in flight, or a comma-separated sweep: 1,4,16.", show="1,4,16"
+    )
+    ks_at_max_concurrency: tuple[int, ...] | None = _opt(
+        None,
+        "At the largest concurrency run only these K, comma-separated (of -k's).",
+        show="every K",
     )
     prompts_per_slot: int | None = _opt(
         None,
@@ -94,6 +102,20 @@ class SweepConfig:
                 raise UserError(f"every {name} must be an integer >= 1, got {list(values)!r}.")
         if not self.prompt_sets:
             raise UserError("give at least one prompt set.")
+        if self.ks_at_max_concurrency is not None:
+            self.ks_at_max_concurrency = tuple(sorted(set(self.ks_at_max_concurrency)))
+            if not self.ks_at_max_concurrency or not set(self.ks_at_max_concurrency) <= set(
+                self.ks
+            ):
+                raise UserError(
+                    f"ks_at_max_concurrency must be some of the K swept ({list(self.ks)}), "
+                    f"got {list(self.ks_at_max_concurrency)}."
+                )
+
+    def runs_at(self, k: int, concurrency: int) -> bool:
+        """Whether the sweep measures K (0: no draft) at ``concurrency``."""
+        at_max = concurrency == max(self.concurrency) and self.ks_at_max_concurrency
+        return not (k and at_max and k not in self.ks_at_max_concurrency)
 
 
 @dataclass

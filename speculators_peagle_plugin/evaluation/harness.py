@@ -132,6 +132,8 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
         for k, c, (name, ids) in itertools.product(
             [0] if draft is None else sweep.ks, sweep.concurrency, prompts.items()
         ):
+            if not sweep.runs_at(k, c):
+                continue
             engine = VllmJob(
                 target=str(Path(config.target).resolve()),
                 draft=None if draft is None else str(Path(draft).resolve()),
