@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 
 class HiddenStatesSource(Protocol):
-    """Where the hidden states come from when the target computes them as samples are read
-    (``datagen``'s ``OnlineHiddenStates``): hs_connectors' transfer call, answered per row.
+    """Where the hidden states come from when they are computed as samples are read (``datagen``'s
+    ``OnlineHiddenStates``, ``ServedHiddenStates``): hs_connectors' transfer call, per row.
 
     ``get_cached(i)`` gives row ``i``'s ``{"hidden_states": [seq, n_aux+1, H],
     "token_ids": [seq]}`` for the layers ``layer_ids``; :meth:`attach` hands it the rows
