@@ -3,6 +3,7 @@
 A setting's metadata (:func:`~.common.settings.setting`) gives its flag, help, choices and
 shown default; its type gives how the text is read (``none`` clears an optional setting).
 ``--config FILE.yaml`` gives any setting by its key; flags override the file.
+:func:`config_argv` is the inverse: the command line that gives a command these values.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import functools
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import MISSING
-from pathlib import Path
-from typing import get_args, get_origin
+from pathlib import Path, PurePath
+from typing import Any, get_args, get_origin
 
 import click
 
@@ -25,6 +27,7 @@ from .common.settings import Leaf, build, flatten, leaves
 
 _METAVARS = {int: "INTEGER", float: "FLOAT", str: "TEXT"}
 _NOT_GIVEN = object()
+CONFIG_FLAG = "--config"  # a command's file of settings, unless config_command names another
 
 
 @contextmanager
@@ -139,7 +142,7 @@ def load_config(cls, config_file: str | Path | None, flags: dict):
     return build(cls, {**values, **given_values(cls, flags)}, config_file)
 
 
-def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--config",
+def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_FLAG,
                    file_help: str = "YAML file of option: value (flags override it).",
                    load=None):
     """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
@@ -164,3 +167,75 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = "--conf
         return file_option(command)
 
     return decorate
+
+
+def _unsaid(leaf: Leaf, value) -> list[str]:
+    """No tokens: the value a command gets when its flag is absent (the file's, else the
+    default), so only the default may be left unsaid."""
+    if value != leaf.default:
+        raise ValueError(f"{leaf.flag} cannot give {leaf.key} {value!r}; only "
+                         f"{leaf.default!r}, by leaving the flag out.")
+    return []
+
+
+def _bool_tokens(leaf: Leaf, value) -> list[str]:
+    meta = leaf.field.metadata
+    if meta.get("negate"):  # the flag sets False
+        return [leaf.flag] if value is False else _unsaid(leaf, value)
+    if meta.get("switch"):  # the flag sets True
+        return [leaf.flag] if value is True else _unsaid(leaf, value)
+    if value is None:
+        return _unsaid(leaf, value)
+    return [leaf.flag if value else f"--no-{leaf.flag[2:]}"]
+
+
+def _text(leaf: Leaf, value) -> str:
+    """``value`` as :func:`_value` reads it back: a tuple of ints as a comma list."""
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    text = str(value)
+    if type(None) in get_args(leaf.hint) and text.lower() == "none":
+        raise ValueError(f"{leaf.flag} reads {text!r} as None; it cannot give that text.")
+    return text
+
+
+def _leaf_tokens(leaf: Leaf, value) -> list[str]:
+    """The tokens that give ``value`` to ``leaf``'s flag (its short form where it has one)."""
+    meta = leaf.field.metadata
+    flag = meta.get("short") or leaf.flag
+    if meta.get("multiple") and isinstance(value, str | PurePath):  # one item, as build reads it
+        value = (value,)
+    if meta.get("argument"):
+        return [str(v) for v in value] if meta.get("multiple") else [str(value)]
+    if meta.get("multiple"):
+        return [t for v in value for t in (flag, str(v))] or _unsaid(leaf, tuple(value))
+    if _base(leaf.hint) is bool:
+        return _bool_tokens(leaf, value)
+    if value is None and "choices" in meta:
+        return _unsaid(leaf, value)
+    return [flag, "none" if value is None else _text(leaf, value)]
+
+
+def config_argv(config, values: Mapping[str, Any], *, config_file: str | Path | None = None,
+                file_flag: str = CONFIG_FLAG) -> list[str]:
+    """The command line (after the command's name) that gives the command of ``config`` (a
+    config class or instance) ``values``, ``{flat key: value}``, in the order given: each
+    under its setting's flag (the short one where declared), a switch alone, a ``multiple``
+    setting's items each under the flag, a tuple of ints as a comma list, None as ``none``;
+    ``config_file`` first, under ``file_flag``. The inverse of :func:`config_command`'s
+    parsing. Raises ``ValueError`` for a key that is no flag of the config, or a value its
+    flag cannot give.
+
+    Example: ``config_argv(EvalConfig, {"target": "t", "ks": (2, 4), "baseline": False,
+    "prompt_sets": ("a", "b")})`` -> ``["--target", "t", "-k", "2,4", "--no-baseline",
+    "--prompts", "a", "--prompts", "b"]``.
+    """
+    cls = config if isinstance(config, type) else type(config)
+    flags = {leaf.key: leaf for leaf in leaves(cls) if leaf.has_flag}
+    argv = [] if config_file is None else [file_flag, str(config_file)]
+    for key, value in values.items():
+        if key not in flags:
+            raise ValueError(f"{key!r} is no flag of {cls.__name__}; its flags' keys: "
+                             f"{', '.join(flags)}.")
+        argv += _leaf_tokens(flags[key], value)
+    return argv
