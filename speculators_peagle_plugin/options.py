@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import MISSING
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import click
@@ -23,7 +23,7 @@ import click
 from .common.errors import TRACEBACK_ENV, UserError, bug_report_line, one_sentence
 from .common.paths import check_output_dir
 from .common.reading import read_yaml_mapping
-from .common.settings import Leaf, build, flatten, leaves
+from .common.settings import Leaf, _coerce, build, flatten, leaves
 
 _METAVARS = {int: "INTEGER", float: "FLOAT", str: "TEXT"}
 _NOT_GIVEN = object()
@@ -203,8 +203,7 @@ def _leaf_tokens(leaf: Leaf, value) -> list[str]:
     """The tokens that give ``value`` to ``leaf``'s flag (its short form where it has one)."""
     meta = leaf.field.metadata
     flag = meta.get("short") or leaf.flag
-    if meta.get("multiple") and isinstance(value, str | PurePath):  # one item, as build reads it
-        value = (value,)
+    value = _coerce(leaf.key, value, leaf.hint)  # as build reads it: a list as a tuple
     if meta.get("argument"):
         return [str(v) for v in value] if meta.get("multiple") else [str(value)]
     if meta.get("multiple"):
@@ -219,9 +218,10 @@ def _leaf_tokens(leaf: Leaf, value) -> list[str]:
 def config_argv(config, values: Mapping[str, Any], *, config_file: str | Path | None = None,
                 file_flag: str = CONFIG_FLAG) -> list[str]:
     """The command line (after the command's name) that gives the command of ``config`` (a
-    config class or instance) ``values``, ``{flat key: value}``, in the order given: each
-    under its setting's flag (the short one where declared), a switch alone, a ``multiple``
-    setting's items each under the flag, a tuple of ints as a comma list, None as ``none``;
+    config class or instance) ``values``, ``{flat key: value}`` (read as a config file's
+    are: a list for a tuple, a path for a string), in the order given: each under its
+    setting's flag (the short one where declared), a switch alone, a ``multiple`` setting's
+    items each under the flag, a tuple of ints as a comma list, None as ``none``;
     ``config_file`` first, under ``file_flag``. The inverse of :func:`config_command`'s
     parsing. Raises ``ValueError`` for a key that is no flag of the config, or a value its
     flag cannot give.

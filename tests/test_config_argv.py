@@ -194,7 +194,8 @@ def test_switches_negations_and_lists():
         (TrainConfig, {"num_depth": 3}, "'num_depth' is no flag of TrainConfig"),
         (EvalConfig, {"seed": 1}, "'seed' is no flag of EvalConfig"),  # a key only
         (EvalConfig, {"baseline": True, "enforce_eager": False}, None),
-        (EvalConfig, {"in_process": None}, "--in-process cannot give in_process None"),
+        (EvalConfig, {"in_process": None}, "in_process must be of type bool"),
+    (TrainConfig, {"save_best": None, "no_resume_from_checkpoint": False}, None),
         (TrainConfig, {"run_name": "None"}, "--run-name reads 'None' as None"),
         (EvalConfig, {"prompt_sets": ()}, "--prompts cannot give prompt_sets"),
     ],
@@ -205,3 +206,11 @@ def test_what_a_command_line_cannot_say_is_refused(cls, values, match):
         return
     with pytest.raises(ValueError, match=match):
         config_argv(cls, values)
+
+
+def test_values_are_read_as_a_config_file_gives_them(tmp_path):
+    """A list for a tuple (as ``record.json`` holds settings), a path for a string."""
+    argv = config_argv(EvalConfig, {"ks": [4], "concurrency": [1, 16], "output_dir": tmp_path})
+    assert argv == ["-k", "4", "--concurrency", "1,16", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="max_new_tokens must be of type int"):
+        config_argv(EvalConfig, {"max_new_tokens": [4]})
