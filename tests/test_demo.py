@@ -210,7 +210,7 @@ def test_bfloat16_is_used_only_where_the_cpu_has_it_natively(
 ):
     cli, _, yaml, _ = fake_pipeline
     assert "autocast: bfloat16" in yaml.read_text()
-    monkeypatch.setattr(demo, "_cpu_has_bfloat16", lambda: native)
+    monkeypatch.setattr(demo, "cpu_has_bfloat16", lambda: native)
     config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml))
     demo.run_demo(config, echo=lambda line: None)
     gen, train, _, evaluate = cli.commands

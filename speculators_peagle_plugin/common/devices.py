@@ -1,4 +1,5 @@
-"""The torch device a user names, refused in one sentence when this machine lacks it."""
+"""The torch device a user names, refused in one sentence when this machine lacks it; and
+the precision a CPU without native bfloat16 runs in."""
 
 from __future__ import annotations
 
@@ -24,3 +25,20 @@ def checked_device(name: str, flag: str = "--device") -> torch.device:
     elif device.type != "cpu":
         raise UserError(f"{flag} {name!r} is not supported; use cpu, cuda or cuda:N.")
     return device
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX), per oneDNN."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_train_settings(native_bf16: bool) -> dict[str, str]:
+    """The training settings a CPU without native bfloat16 overrides: ``{"autocast":
+    "none"}`` (emulated bfloat16 matmuls are slower than float32 ones); none where native."""
+    return {} if native_bf16 else {"autocast": "none"}
+
+
+def cpu_target_dtype(native_bf16: bool) -> str:
+    """The target's dtype when the user leaves it to the CPU (``auto``): bfloat16 where
+    native, float32 elsewhere."""
+    return "bfloat16" if native_bf16 else "float32"

@@ -10,6 +10,7 @@ from ..common.errors import UserError
 from ..common.reading import read_yaml_mapping
 from ..common.settings import Settings, build, check_optional_ints, leaves, section, setting
 from ..datagen.datagen_config import ReplyConfig
+from ..engine.vllm_client import CPU_KV_CACHE_GB
 from ..evaluation.eval_config import SweepConfig
 
 __all__ = ["DemoConfig", "QUICK", "quick_config"]
@@ -90,7 +91,7 @@ class DemoConfig(Settings):
         SweepConfig, factory=_demo_sweep, prefix="eval_", keys={"prompt_sets": "eval_prompts"},
         flags=False,
     )
-    kv_cache_gb: int = 4
+    kv_cache_gb: int = CPU_KV_CACHE_GB
     target_dtype: str = "auto"
     quick: bool = setting(
         False, "CI-sized run: 6 prompts, 2 steps, a short eval.", switch=True, show=None

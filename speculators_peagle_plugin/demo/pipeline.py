@@ -42,8 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..common.devices import cpu_has_bfloat16, cpu_target_dtype, cpu_train_settings
 from ..common.errors import OneSentenceError
 from ..data.prompts import read_training_prompts
+from ..datagen.datagen_config import DataGenConfig
+from ..evaluation.eval_config import EvalConfig
+from ..options import config_argv
+from ..serving.check import CheckConfig
 from ..serving.draft_checkpoint import target_config
 from ..training.checkpoint import checkpoint_dirs
 from ..training.train_config import TrainConfig
@@ -99,13 +104,6 @@ def _command(args: list[str], echo: Echo, stage: str) -> None:
             f"stage '{stage}' failed (exit code {done.returncode}, output above); fix the "
             "cause and run the demo again: finished stages are kept and this one resumes."
         )
-
-
-def _cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 / AMX), per oneDNN."""
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _train_config(config: DemoConfig, target: Path, layout: RunLayout,
@@ -200,14 +198,14 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
     replies = config.replies
 
     def generate() -> dict:
-        _command(["generate-data", "--target", str(target), "--prompts", str(prompts_path),
-                  "--output", str(output), "--max-new-tokens", str(replies.max_new_tokens),
-                  "--num-samples", str(replies.num_samples),
-                  "--temperature", str(replies.temperature), "--backend", replies.backend,
-                  "--batch-size", str(replies.batch_size),
-                  "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
-                  "--draft-vocab-size", str(draft_vocab_size)],
-                 echo, name)
+        args = config_argv(DataGenConfig, {
+            "target": str(target), "prompts": str(prompts_path), "output": str(output),
+            "max_new_tokens": replies.max_new_tokens, "num_samples": replies.num_samples,
+            "temperature": replies.temperature, "backend": replies.backend,
+            "batch_size": replies.batch_size, "kv_cache_gb": config.kv_cache_gb, "dtype": dtype,
+            "draft_vocab_size": draft_vocab_size,
+        })
+        _command(["generate-data", *args], echo, name)
         return {"path": str(output)}
 
     inputs = {
@@ -226,18 +224,17 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
     validation prompts the best one (``train/best``)."""
 
     def train() -> dict:
-        args = ["train", "--config", config.train_config,
-                "--verifier-name-or-path", str(target), "--data-path", str(layout.data),
-                "--save-path", str(layout.train), "--draft-vocab-size", str(draft_vocab_size)]
+        values = {"verifier_name_or_path": str(target), "data_path": str(layout.data),
+                  "save_path": str(layout.train), "draft_vocab_size": draft_vocab_size}
         if config.validation_prompts:
-            args += ["--validation-data-path", str(layout.validation_data)]
+            values["validation_data_path"] = str(layout.validation_data)
         if config.early_stop_patience is not None:
-            args += ["--early-stop-patience", str(config.early_stop_patience)]
+            values["early_stop_patience"] = config.early_stop_patience
         if config.max_steps is not None:
-            args += ["--max-steps", str(config.max_steps)]
-        if not native_bf16:  # emulated bfloat16 matmuls are slower than float32 ones
-            args += ["--autocast", "none"]
-        _command(args, echo, "train")
+            values["max_steps"] = config.max_steps
+        values.update(cpu_train_settings(native_bf16))
+        args = config_argv(TrainConfig, values, config_file=config.train_config)
+        _command(["train", *args], echo, "train")
         if config.validation_prompts:
             return {"checkpoint": str(layout.train / BEST_DIR)}
         return {"checkpoint": str(checkpoint_dirs(layout.train)[-1])}
@@ -269,8 +266,11 @@ def _drafts_stage(config: DemoConfig, stages: Stages, layout: RunLayout, target:
 def _check_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
                  target: Path, trained: str) -> None:
     def check() -> dict:
-        _command(["check", str(layout.trained_draft), "--target", str(target),
-                  "-k", str(config.num_speculative_tokens)], echo, "check")
+        args = config_argv(CheckConfig, {
+            "checkpoint": str(layout.trained_draft), "target": str(target),
+            "num_speculative_tokens": config.num_speculative_tokens,
+        })
+        _command(["check", *args], echo, "check")
         return {}
 
     stages.run(
@@ -286,21 +286,17 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
     The draft's model card names the target by its hub id (``--base-model``)."""
 
     def evaluate() -> dict:
-        args = ["eval", "--target", str(target), "--draft", str(layout.trained_draft),
-                "-k", ",".join(map(str, config.sweep.ks)),
-                "--concurrency", ",".join(map(str, config.sweep.concurrency)),
-                "--prompts-per-slot", str(config.sweep.prompts_per_slot),
-                "--max-new-tokens", str(config.sweep.max_new_tokens),
-                "--kv-cache-gb", str(config.kv_cache_gb), "--dtype", dtype,
-                "--base-model", SMOLLM2_ID, "--out", str(layout.eval)]
-        for spec in config.sweep.prompt_sets:
-            args += ["--prompts", spec]
-        if config.sweep.enforce_eager:
-            args.append("--enforce-eager")
-        if config.sweep.ks_at_max_concurrency:
-            ks = config.sweep.ks_at_max_concurrency
-            args += ["--ks-at-max-concurrency", ",".join(map(str, ks))]
-        _command(args, echo, "eval")
+        sweep = config.sweep
+        values = {
+            "target": str(target), "drafts": (str(layout.trained_draft),), "ks": sweep.ks,
+            "concurrency": sweep.concurrency, "prompts_per_slot": sweep.prompts_per_slot,
+            "max_new_tokens": sweep.max_new_tokens, "kv_cache_gb": config.kv_cache_gb,
+            "dtype": dtype, "base_model": SMOLLM2_ID, "output_dir": str(layout.eval),
+            "prompt_sets": sweep.prompt_sets, "enforce_eager": sweep.enforce_eager,
+        }
+        if sweep.ks_at_max_concurrency:
+            values["ks_at_max_concurrency"] = sweep.ks_at_max_concurrency
+        _command(["eval", *config_argv(EvalConfig, values)], echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
                 "plots": [str(p) for p in plots if p.is_file()]}
@@ -330,10 +326,8 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     yaml_sha256 = _sha256(Path(config.train_config).read_text().encode())
     target = _target_stage(stages)
     prompts = _prompts_stage(config, stages, layout.prompts, target)
-    native_bf16 = _cpu_has_bfloat16()
-    dtype = config.target_dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if native_bf16 else "float32"
+    native_bf16 = cpu_has_bfloat16()
+    dtype = cpu_target_dtype(native_bf16) if config.target_dtype == "auto" else config.target_dtype
     draft_vocab_size = _draft_vocab_size(config, target, layout, echo)
     data_inputs = _data_stage(config, stages, layout, echo, target, prompts, dtype,
                               draft_vocab_size)
