@@ -45,8 +45,12 @@ from pathlib import Path
 import yaml
 
 from eval.demo_run import REPO, demo_inputs, run_command, served_acceptance
+from speculators_peagle_plugin.common.devices import cpu_has_bfloat16, cpu_train_settings
 from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.evaluation.report import provenance
+from speculators_peagle_plugin.options import config_argv
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 
 def parse_variant(tokens: list[str]) -> tuple[str, dict]:
@@ -72,11 +76,8 @@ def parse_variant(tokens: list[str]) -> tuple[str, dict]:
 def _variant_yaml(demo: dict, overrides: dict, path: Path) -> Path:
     """The demo's YAML with the variant's overrides (bfloat16 autocast only where native,
     as the demo trains)."""
-    import torch
-
     settings = yaml.safe_load(Path(demo["config"]).read_text())
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        settings["autocast"] = "none"  # emulated bfloat16 matmuls are slower than float32
+    settings.update(cpu_train_settings(cpu_has_bfloat16()))
     settings.update(overrides)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
@@ -87,12 +88,14 @@ def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
     """The target's greedy replies (and hidden states) to ``spec``, generated once."""
     path = out / "heldout" / re.sub(r"[^A-Za-z0-9_.-]+", "_", spec).strip("_")
     if not (path / "state.json").is_file():
-        run_command([sys.executable, "-m", "speculators_peagle_plugin", "generate-data",
-                     "--target", demo["target"], "--prompts", spec, "--output", str(path),
-                     "--max-new-tokens", str(demo["max_new_tokens"]), "--backend", "vllm",
-                     "--kv-cache-gb", str(demo["kv_cache_gb"]),
-                     # the held-out sets themselves: scored, never trained on
-                     "--no-contamination-guard", "--dtype", demo["dtype"]])
+        args = config_argv(DataGenConfig, {
+            "target": demo["target"], "prompts": spec, "output": str(path),
+            "max_new_tokens": demo["max_new_tokens"], "backend": "vllm",
+            "kv_cache_gb": demo["kv_cache_gb"],
+            # the held-out sets themselves: scored, never trained on
+            "contamination_guard": False, "dtype": demo["dtype"],
+        })
+        run_command([sys.executable, "-m", "speculators_peagle_plugin", "generate-data", *args])
     return path
 
 
@@ -106,13 +109,13 @@ def _train(
     from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
     from speculators_peagle_plugin.training.progress import METRICS_FILE
 
-    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train", "--config",
-           str(config_yaml), "--verifier-name-or-path", demo["target"], "--data-path",
-           data, "--save-path", str(save), "--seed", str(seed)]
+    values = {"verifier_name_or_path": demo["target"], "data_path": data,
+              "save_path": str(save), "seed": seed}
     if steps is not None:
-        cmd += ["--max-steps", str(steps)]
-    if demo["autocast_none"]:
-        cmd += ["--autocast", "none"]
+        values["max_steps"] = steps
+    values.update(cpu_train_settings(demo["native_bf16"]))
+    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train",
+           *config_argv(TrainConfig, values, config_file=config_yaml)]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO)

@@ -13,6 +13,8 @@ import yaml
 from speculators_peagle_plugin.demo.artifacts import RunLayout
 from speculators_peagle_plugin.demo.stages import STATE_FILE
 from speculators_peagle_plugin.demo.summary import SUMMARY_FILE
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
+from speculators_peagle_plugin.options import config_argv
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,9 +73,9 @@ def demo_inputs(demo_dir: Path) -> dict:
         "dtype": stages["data"]["inputs"].get("dtype", "float32"),
         "k": config["num_speculative_tokens"],
         "eval_prompts": config["eval_prompts"],
-        # where the CPU has no native bfloat16 the demo trains in float32 (``--autocast
-        # none``), and so must every arm trained beside its draft
-        "autocast_none": not stages.get("train", {}).get("inputs", {}).get("native_bf16", True),
+        # whether the demo trained with native bfloat16: every arm trained beside its draft
+        # trains with the same precision (``common.devices.cpu_train_settings``)
+        "native_bf16": stages.get("train", {}).get("inputs", {}).get("native_bf16", True),
         # the demo's own training: an arm with its recipe, seed and steps need not train again
         "trained": _demo_training(stages, layout, config["train_config"]),
     }
@@ -83,17 +85,13 @@ def served_acceptance(demo: dict, drafts: list[str], prompts: list[str], out: Pa
     """The drafts in one ``speculators-peagle eval`` run, served as the demo serves its own
     (its K, greedy, no baseline; uncompiled engines, which start sooner: no speed is read);
     ``{draft: {prompt set: acceptance length, per position}}``."""
-    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "eval", "--target", demo["target"],
-           "-k", str(demo["k"]), "--no-baseline", "--enforce-eager",
-           "--max-new-tokens", str(demo["eval_max_new_tokens"]),
-           "--concurrency", str(demo["eval_concurrency"]),
-           "--kv-cache-gb", str(demo["kv_cache_gb"]), "--dtype", demo["dtype"],
-           "--out", str(out)]
-    for draft in drafts:
-        cmd += ["--draft", draft]
-    for spec in prompts:
-        cmd += ["--prompts", spec]
-    run_command(cmd)
+    args = config_argv(EvalConfig, {
+        "target": demo["target"], "ks": (demo["k"],), "baseline": False, "enforce_eager": True,
+        "max_new_tokens": demo["eval_max_new_tokens"], "concurrency": (demo["eval_concurrency"],),
+        "kv_cache_gb": demo["kv_cache_gb"], "dtype": demo["dtype"], "output_dir": str(out),
+        "drafts": tuple(drafts), "prompt_sets": tuple(prompts),
+    })
+    run_command([sys.executable, "-m", "speculators_peagle_plugin", "eval", *args])
     runs = json.loads((out / "record.json").read_text())["runs"]
     return {
         draft: {r["prompt_set"]: {"acceptance_length": r["acceptance_length"],

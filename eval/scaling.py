@@ -73,7 +73,10 @@ from eval.scaling_cells import (
     trained_until,
 )
 from eval.scaling_report import EVAL_K, plot, summarise, tables
+from speculators_peagle_plugin.common.devices import cpu_has_bfloat16
 from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
+from speculators_peagle_plugin.options import config_argv
 
 # What every point is served with (the long recipe's held-out sets, at its larger K).
 EVAL_SETS = ("humaneval[120:164]", "mt_bench")
@@ -106,14 +109,13 @@ def eval_settings(dtype: str) -> dict:
 
 def eval_args(target: str, checkpoint: Path, dtype: str, out: Path) -> list[str]:
     """``speculators-peagle eval`` of one checkpoint with :func:`eval_settings`."""
-    args = ["eval", "--target", target, "--draft", str(checkpoint), "-k", str(EVAL_K),
-            "--concurrency", str(EVAL_CONCURRENCY),
-            "--prompts-per-slot", str(EVAL_PROMPTS_PER_SLOT), "--no-baseline",
-            "--max-new-tokens", str(EVAL_MAX_NEW_TOKENS), "--dtype", dtype,
-            "--kv-cache-gb", str(EVAL_KV_CACHE_GB), "--out", str(out)]
-    for spec in EVAL_SETS:
-        args += ["--prompts", spec]
-    return args
+    settings = eval_settings(dtype)
+    order = ("ks", "concurrency", "prompts_per_slot", "baseline", "max_new_tokens", "dtype",
+             "kv_cache_gb")
+    values = {"target": target, "drafts": (str(checkpoint),),
+              **{key: settings[key] for key in order}, "output_dir": str(out),
+              "prompt_sets": settings["prompt_sets"], "enforce_eager": settings["enforce_eager"]}
+    return ["eval", *config_argv(EvalConfig, values)]
 
 
 def finished_eval(record_path: Path, checkpoint: Path, sha256: str, dtype: str) -> bool:
@@ -229,7 +231,6 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
     point under ``args.out``, the plot and the tables (``args.report``); returns the record."""
     from datasets import load_from_disk
 
-    from speculators_peagle_plugin.demo.pipeline import _cpu_has_bfloat16
     from speculators_peagle_plugin.evaluation.report import provenance
     from speculators_peagle_plugin.training.train_config import TrainConfig
 
@@ -256,7 +257,7 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
             f"--prompts {too_many[0]} is more than the {total} prompts of "
             f"{' + '.join(s['prompts'] for s in sources)}."
         )
-    native_bf16 = _cpu_has_bfloat16()
+    native_bf16 = cpu_has_bfloat16()
     yaml_path = train_yaml(Path(args.config), out / "train.yaml", native_bf16)
     yaml_sha256 = digest(yaml_path.read_bytes())
 
@@ -288,9 +289,10 @@ def run_grid(args: argparse.Namespace, runner: Runner = _cli) -> dict:
                 **checkpoint_plan(args.steps, per_epoch)}
         echo(f"[{i + 1}/{len(cells)}] {name}: train {plan['max_steps']} steps, a checkpoint "
               f"every {plan['every']} ({plan['steps_per_epoch']} steps an epoch)")
-        train_args = ["--config", str(yaml_path), "--verifier-name-or-path", inputs["target"],
-                      "--data-path", str(data), "--num-layers", str(layers),
-                      "--seed", str(seed)]
+        train_args = config_argv(TrainConfig, {
+            "verifier_name_or_path": inputs["target"], "data_path": str(data),
+            "num_layers": layers, "seed": seed,
+        }, config_file=yaml_path)
         save = train_cell(Path(cell["dir"]), plan, train_args, args.steps, runner)
         for step in args.steps:
             echo(f"[{i + 1}/{len(cells)}] {name}: step {step}: eval + held-out estimate")

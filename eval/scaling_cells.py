@@ -13,9 +13,12 @@ from pathlib import Path
 
 import yaml
 
+from speculators_peagle_plugin.common.devices import cpu_train_settings
 from speculators_peagle_plugin.common.files import METRICS_FILE, atomic_directory, atomic_write_text
 from speculators_peagle_plugin.demo.artifacts import RunLayout
 from speculators_peagle_plugin.demo.stages import STATE_FILE
+from speculators_peagle_plugin.options import config_argv
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 PREFIX_FILE, PLAN_FILE = "prefix.json", "plan.json"
 
@@ -247,8 +250,7 @@ def train_yaml(config: Path, path: Path, native_bf16: bool) -> Path:
     settings = yaml.safe_load(config.read_text())
     settings.pop("early_stop_patience", None)
     settings.pop("validation_data_path", None)
-    if not native_bf16:
-        settings["autocast"] = "none"
+    settings.update(cpu_train_settings(native_bf16))
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
     return path
@@ -299,13 +301,11 @@ def train_cell(cell_dir: Path, plan: dict, train_args: list[str], steps: Sequenc
         # those checkpoints too: room for each earlier one and for one more, or the
         # rotation would delete the earliest requested steps.
         stopped = sum(step_of(c) % plan["every"] != 0 for c in checkpoint_dirs(save))
-        runner([
-            "train", *train_args, "--save-path", str(save),
-            "--max-steps", str(plan["max_steps"]), "--epochs", str(plan["epochs"]),
-            "--checkpoint-freq", repr(plan["checkpoint_freq"]),
-            "--keep-checkpoints", str(plan["keep_checkpoints"] + stopped + 1),
-            "--log-freq", "1",
-        ])
+        runner(["train", *train_args, *config_argv(TrainConfig, {
+            "save_path": str(save), "max_steps": plan["max_steps"], "epochs": plan["epochs"],
+            "checkpoint_freq": plan["checkpoint_freq"],
+            "keep_checkpoints": plan["keep_checkpoints"] + stopped + 1, "log_freq": 1,
+        })])
     for checkpoint in checkpoint_dirs(save):
         if step_of(checkpoint) not in steps:
             shutil.rmtree(checkpoint)
