@@ -30,12 +30,14 @@ from pathlib import Path
 
 from eval.scaling_cells import run_inputs
 from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.demo.artifacts import (
     RunLayout,
     prompt_length_filter,
     write_prompts,
 )
 from speculators_peagle_plugin.demo.stages import STATE_FILE
+from speculators_peagle_plugin.options import config_argv
 
 
 def _lines(path: Path) -> list[str]:
@@ -88,12 +90,11 @@ def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] 
     print(f"{len(more)} prompts after the run's {len(run) + len(earlier)} -> {out} "
           f"({len(lines) - len(run) - len(rest)} left out: validation prompts)")
     data = stages["data"]["inputs"]
-    command = ["speculators-peagle", "generate-data", "--target", inputs["target"],
-               "--prompts", str(out), "--output", str(out.parent / "data"),
-               "--max-new-tokens", str(data["max_new_tokens"]),
-               "--num-samples", str(data["num_samples"]),
-               "--temperature", str(data["temperature"]), "--backend", data["backend"],
-               "--dtype", inputs["dtype"]]
+    command = ["speculators-peagle", "generate-data", *config_argv(DataGenConfig, {
+        "target": inputs["target"], "prompts": str(out), "output": str(out.parent / "data"),
+        "max_new_tokens": data["max_new_tokens"], "num_samples": data["num_samples"],
+        "temperature": data["temperature"], "backend": data["backend"], "dtype": inputs["dtype"],
+    })]
     print("next:", shlex.join(command))
     return len(more)
 
