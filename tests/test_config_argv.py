@@ -195,7 +195,7 @@ def test_switches_negations_and_lists():
         (EvalConfig, {"seed": 1}, "'seed' is no flag of EvalConfig"),  # a key only
         (EvalConfig, {"baseline": True, "enforce_eager": False}, None),
         (EvalConfig, {"in_process": None}, "in_process must be of type bool"),
-    (TrainConfig, {"save_best": None, "no_resume_from_checkpoint": False}, None),
+        (TrainConfig, {"save_best": None, "no_resume_from_checkpoint": False}, None),
         (TrainConfig, {"run_name": "None"}, "--run-name reads 'None' as None"),
         (EvalConfig, {"prompt_sets": ()}, "--prompts cannot give prompt_sets"),
     ],
