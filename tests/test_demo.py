@@ -236,6 +236,31 @@ def test_the_demo_measures_speed_on_compiled_engines(fake_pipeline, tmp_path):
         demo.run_demo(eager, echo=lambda line: None)
 
 
+@pytest.mark.parametrize(("overrides", "at_max"), [
+    ({"eval_ks": (2, 4), "eval_concurrency": (1, 16)}, (4,)),  # the full demo's sweep
+    ({"eval_ks": (2,), "eval_concurrency": (1, 2)}, None),  # quick: one K
+    ({"eval_ks": (2, 4), "eval_concurrency": (16,)}, None),  # one concurrency
+    ({"eval_ks": (2, 3), "eval_concurrency": (1, 16)}, None),  # the trained K not swept
+    ({"eval_ks": (2, 4), "eval_concurrency": (1, 16), "eval_ks_at_max_concurrency": (2, 4)},
+     (2, 4)),  # given
+])
+def test_at_the_largest_concurrency_the_demo_runs_its_trained_k_alone(
+    fake_pipeline, tmp_path, overrides, at_max
+):
+    cli, _, yaml, _ = fake_pipeline
+    config = demo.quick_config(run_dir=str(tmp_path / "run"), train_config=str(yaml),
+                               **overrides)
+    assert config.num_speculative_tokens == 4 and config.ks_at_max_concurrency() == at_max
+    demo.run_demo(config, echo=lambda line: None)
+    argv = cli.commands[-1]
+    assert argv[0] == "eval"
+    if at_max is None:
+        assert "--ks-at-max-concurrency" not in argv
+    else:
+        flag = argv.index("--ks-at-max-concurrency")
+        assert argv[flag + 1] == ",".join(map(str, at_max))
+
+
 def test_a_target_with_fewer_tokens_than_the_draft_vocabulary_gets_all_of_them(
     fake_pipeline, tmp_path
 ):

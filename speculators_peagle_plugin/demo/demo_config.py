@@ -24,13 +24,10 @@ def _demo_replies() -> ReplyConfig:
 
 
 def _demo_sweep() -> SweepConfig:
-    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench).
-    # At 16 in flight K = 4 alone: its acceptance on every prompt, and the speedup that
-    # decides the recommendation there (K = 2 stays under 1x there: eval/RESULTS.md 4).
+    # MT-Bench: every tenth question, one per category (the full 80: eval --prompts mt_bench)
     return SweepConfig(
         prompt_sets=("humaneval[120:164]", "chat[100:]", "mt_bench[::10]"), ks=(2, 4),
-        concurrency=(1, 16), ks_at_max_concurrency=(4,), prompts_per_slot=4,
-        max_new_tokens=128, enforce_eager=False,
+        concurrency=(1, 16), prompts_per_slot=4, max_new_tokens=128, enforce_eager=False,
     )
 
 
@@ -55,11 +52,12 @@ class DemoConfig(Settings):
         max_steps: cap on optimizer steps (None: the YAML's epochs).
         num_speculative_tokens: K the draft is trained and checked for.
         sweep: the eval's sweep (keys ``eval_prompts``, ``eval_ks``, ``eval_concurrency``,
-            ``eval_prompts_per_slot``, ``eval_max_new_tokens``, ``eval_enforce_eager``): at
-            concurrency c it decodes the first ``eval_prompts_per_slot * c`` prompts of each
-            set, since single-request decoding is slow on a CPU and at the largest
-            concurrency every held-out prompt still runs; ``eval_enforce_eager`` starts
-            engines sooner, but their tokens/s are not those of ``vllm serve``.
+            ``eval_prompts_per_slot``, ``eval_max_new_tokens``, ``eval_enforce_eager``,
+            ``eval_ks_at_max_concurrency``): at concurrency c it decodes the first
+            ``eval_prompts_per_slot * c`` prompts of each set, since single-request decoding
+            is slow on a CPU and at the largest concurrency every held-out prompt still runs;
+            ``eval_enforce_eager`` starts engines sooner, but their tokens/s are not those of
+            ``vllm serve``. The K run at the largest concurrency: :meth:`ks_at_max_concurrency`.
         kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
         target_dtype: the target's dtype when it writes the data and serves in eval (the
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
@@ -111,6 +109,21 @@ class DemoConfig(Settings):
         if self.early_stop_patience is not None and not self.validation_prompts:
             raise UserError("early_stop_patience needs validation_prompts to score on.")
 
+    def ks_at_max_concurrency(self) -> tuple[int, ...] | None:
+        """The K the eval runs at its largest concurrency (None: every K).
+
+        ``eval_ks_at_max_concurrency`` when given; else the trained K alone, when it is swept
+        beside others over several concurrencies: drafting pays less with more requests in
+        flight, and the other K stay under 1x there on every machine measured, so they do not
+        change the recommendation (eval/RESULTS.md 4).
+        """
+        sweep = self.sweep
+        if sweep.ks_at_max_concurrency is not None:
+            return sweep.ks_at_max_concurrency
+        trained = self.num_speculative_tokens
+        several = len(sweep.ks) > 1 and len(sweep.concurrency) > 1
+        return (trained,) if several and trained in sweep.ks else None
+
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> DemoConfig:
         """The demo configured by the YAML recipe ``path`` (keys: this class's; a
@@ -154,7 +167,6 @@ QUICK = dict(
     gen_batch_size=6,
     max_steps=2,
     eval_ks=(2,),
-    eval_ks_at_max_concurrency=(2,),
     eval_concurrency=(1, 2),
     eval_prompts_per_slot=1,
     eval_max_new_tokens=24,

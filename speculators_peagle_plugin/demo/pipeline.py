@@ -285,6 +285,8 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
     runs eval into the same RUN/eval, which measures only the cells its cells.jsonl lacks.
     The draft's model card names the target by its hub id (``--base-model``)."""
 
+    at_max = config.ks_at_max_concurrency()
+
     def evaluate() -> dict:
         sweep = config.sweep
         values = {
@@ -294,8 +296,8 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
             "dtype": dtype, "base_model": SMOLLM2_ID, "output_dir": str(layout.eval),
             "prompt_sets": sweep.prompt_sets, "enforce_eager": sweep.enforce_eager,
         }
-        if sweep.ks_at_max_concurrency:
-            values["ks_at_max_concurrency"] = sweep.ks_at_max_concurrency
+        if at_max:
+            values["ks_at_max_concurrency"] = at_max
         _command(["eval", *config_argv(EvalConfig, values)], echo, "eval")
         plots = [layout.eval / name for name in ("acceptance.png", "speedup.png")]
         return {"record": str(layout.eval / "record.json"),
@@ -307,8 +309,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         "prompts_per_slot": config.sweep.prompts_per_slot,
         "max_new_tokens": config.sweep.max_new_tokens, "dtype": dtype,
         "enforce_eager": config.sweep.enforce_eager,
-        **({"ks_at_max_concurrency": list(config.sweep.ks_at_max_concurrency)}
-           if config.sweep.ks_at_max_concurrency else {}),
+        **({"ks_at_max_concurrency": list(at_max)} if at_max else {}),
     }
     return stages.run("eval", inputs, evaluate, lambda out: Path(out["record"]).is_file())
 
