@@ -11,8 +11,9 @@ addressed by ``(epoch, step)`` and the COD sample is drawn from a generator seed
 ``(seed, step, rank)``. Resuming from a checkpoint therefore reproduces an uninterrupted
 run bit for bit.
 
-The parts: :mod:`.distributed` (ranks, wrappers), :mod:`.step` (one step),
-:mod:`.checkpoint` (save, resume), :mod:`.progress` (records, the log, signals).
+The parts: :mod:`.weights_start` (where the weights start), :mod:`.run_data` (the data),
+:mod:`.distributed` (ranks, wrappers), :mod:`.step` (one step), :mod:`.checkpoint` (save,
+resume), :mod:`.progress` (records, the log, signals).
 """
 
 from __future__ import annotations
@@ -31,22 +32,13 @@ from torch import nn
 from ..common.errors import UserError, memory_for
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
-from ..common.reading import read_json
-from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
-from ..model.mask_token import choose_mask_token_id, mask_token_problem
-from .algorithm import load_algorithm
-from .checkpoint import (
-    ResumePoint,
-    check_checkpoint_space,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-)
+from ..data import PackedBatches
+from .checkpoint import ResumePoint, check_checkpoint_space, load_checkpoint, save_checkpoint
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
-from .online import online_layer_ids, open_online_data, prepare_cache
+from .online import prepare_cache
 from .optim import Optimizers, Schedulers, build_optimizers, build_schedulers
 from .prefetch import RowsAhead
-from .pretrained import check_pretrained_fits, copy_pretrained_weights, load_pretrained_draft
+from .pretrained import copy_pretrained_weights
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -57,11 +49,12 @@ from .progress import (
     reduce_record,
     trim_metrics_log,
 )
-from .served import kept_samples, open_served_data
+from .run_data import RunData, open_run_data
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
 from .train_config import TrainConfig
 from .validation import Validation
+from .weights_start import WeightsStart, start_weights
 
 logger = logging.getLogger(__name__)
 
@@ -87,44 +80,6 @@ class TrainingSetup:
     heldout_samples: tuple[int, ...] = ()  # of data_path, scored after each checkpoint
 
 
-def _resolve_mask_token(
-    config: TrainConfig, vocab_size: int, kept: tuple[int, str] | None
-) -> tuple[int, str]:
-    """``--mask-token-id``, else ``kept`` (the id a draft run from ``--from-pretrained``
-    was trained with), else one the tokenizer never produces; with the reason."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.verifier.verifier_name_or_path)
-    given = config.draft.mask_token_id
-    if given is None and kept is None:
-        return choose_mask_token_id(tokenizer, vocab_size)
-    mask, reason = (given, "given with --mask-token-id") if given is not None else kept
-    problem = mask_token_problem(tokenizer, mask, vocab_size)
-    if problem:
-        raise UserError(problem)
-    return mask, reason
-
-
-def _kept_mask_token(config: TrainConfig, pretrained, resume) -> tuple[int, str] | None:
-    """The mask token id of the draft a ``--from-pretrained`` run continues: the pretrained
-    draft's, or, resumed, its checkpoint's (the same id, without reading that draft again).
-
-    A ``--mask-token-id`` other than the pretrained draft's is one sentence.
-    """
-    if resume is not None and config.draft.from_pretrained:
-        kept = read_json(resume.path / "config.json").get("mask_token_id")
-        return None if kept is None else (kept, f"the one {resume.path.name} was trained with")
-    if pretrained is None:
-        return None
-    kept, given = pretrained.config.mask_token_id, config.draft.mask_token_id
-    if given is not None and given != kept:
-        raise UserError(
-            f"--mask-token-id {given} differs from the mask token {kept} that --from-pretrained "
-            f"{config.draft.from_pretrained} was trained with; pass {kept} or leave it out."
-        )
-    return kept, "the one --from-pretrained's draft was trained with"
-
-
 ONEDNN_CACHE_CAPACITY = 128
 
 
@@ -140,62 +95,9 @@ def _bound_onednn_cache() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
-def _verifier_config(config: TrainConfig):
-    """The verifier's (text) config, read from its local directory; the hub is not used."""
-    from transformers import AutoConfig
-
-    verifier = Path(config.verifier.verifier_name_or_path)
-    if not (verifier / "config.json").exists():
-        raise UserError(
-            f"--verifier-name-or-path {verifier} is not a local transformers model directory "
-            "(no config.json); the hub is not used."
-        )
-    verifier_config = AutoConfig.from_pretrained(verifier)
-    return getattr(verifier_config, "text_config", verifier_config)
-
-
-def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, ...]:
-    """The flag's (which ``open_training_data`` checked against the data), else the data's,
-    else the default.
-
-    Data made by ``generate-data`` records its layer ids; other data (speculators' own)
-    records only their count, which is all that is checked.
-    """
-    layer_ids = data.target_layer_ids or default_target_layer_ids(verifier_config.num_hidden_layers)
-    if data.settings is not None:
-        return layer_ids
-    if len(layer_ids) != data.num_aux_layers:
-        raise UserError(
-            f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
-            f"{config.data.data_path} holds {data.num_aux_layers} aux hidden states per token."
-        )
-    logger.info(
-        "%s does not record which target layers its aux hidden states come from; "
-        "training as layers %s (only their count, %d, could be checked)",
-        config.data.data_path, list(layer_ids), data.num_aux_layers,
-    )
-    return layer_ids
-
-
-def _open_data(config: TrainConfig, verifier_config, world: World):
-    """``(data, aux layer ids)``: the target's states computed in training (``--online``),
-    rows without states from vLLM servers (:mod:`.served`), or the files of ``data_path``."""
-    if config.online.online:
-        layer_ids = online_layer_ids(config, verifier_config)
-        return open_online_data(config, layer_ids, world), layer_ids
-    served = open_served_data(config, verifier_config, world)
-    if served is not None:
-        return served
-    data = open_training_data(
-        config.data.data_path, draft_vocab_size=config.draft.draft_vocab_size,
-        verifier_hidden_size=verifier_config.hidden_size,
-        aux_layer_ids=config.draft.target_layer_ids,
-    )
-    return data, _target_layer_ids(config, data, verifier_config)
-
-
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
-    """Validate the data, build draft, trainer module, wrapper, optimizers and schedules.
+    """Start the weights, open the data, then build draft, trainer module, wrapper,
+    optimizers and schedules.
 
     With ``from_pretrained`` the draft starts from that draft's weights (unless the run
     resumes: its checkpoint's weights replace them anyway); with ``train_data_ratio`` below
@@ -209,54 +111,22 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     world = World.from_env(config.runtime.device)
     if world.device.type == "cpu" and config.runtime.autocast != "none":
         _bound_onednn_cache()
-    algorithm = load_algorithm(config.algorithm)
-    verifier_config = _verifier_config(config)
-    vocab, draft_vocab = verifier_config.vocab_size, config.draft.draft_vocab_size
-    if draft_vocab > vocab:
-        raise UserError(
-            f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
-        )
-    resume = None if save_path is None else resume_point(config, save_path, world)
-    pretrained = None
-    if config.draft.from_pretrained and resume is None:  # a resumed run has its checkpoint
-        pretrained = load_pretrained_draft(
-            config.draft.from_pretrained, config.verifier.verifier_name_or_path
-        )
-    kept = _kept_mask_token(config, pretrained, resume)
-    mask_token_id, reason = _resolve_mask_token(config, vocab, kept)
-    data, layer_ids = _open_data(config, verifier_config, world)
-    if pretrained is not None:
-        check_pretrained_fits(
-            pretrained, config.draft.from_pretrained, num_layers=config.draft.num_layers,
-            draft_vocab_size=draft_vocab, target_layer_ids=layer_ids,
-            target_hidden_size=verifier_config.hidden_size,
-            norm_before_residual=config.draft.norm_before_residual,
-        )
-    train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
-    train_samples = kept_samples(data, train_samples)
-    data.validate(progress=world.rank == 0)
-    d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
+    start = start_weights(config, save_path, world)
+    run_data = open_run_data(config, start, world)
+    return _build(config, world, start, run_data)
 
-    torch.manual_seed(config.seed)
-    dtype = getattr(torch, config.runtime.dtype)
-    draft = algorithm.build_draft(
-        config, d2t=d2t, t2d=t2d, target_layer_ids=layer_ids, mask_token_id=mask_token_id
-    )
-    if pretrained is not None:
-        copy_pretrained_weights(pretrained, draft, config.draft.from_pretrained)
-        del pretrained
-    draft = draft.to(world.device, dtype)
-    if config.runtime.gradient_checkpointing:
-        draft.gradient_checkpointing_enable({"use_reentrant": False})
-    draft.train()
-    module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
+
+def _build(config: TrainConfig, world: World, start: WeightsStart, run_data: RunData):
+    """The draft, its trainer module, wrapper, optimizers, batches and schedules."""
+    draft = _build_draft(config, world, start, run_data)
+    module = start.algorithm.build_trainer(draft, config, mask_token_id=start.mask_token_id)
     wrapped = wrap(StepModule(module, every_parameter=world.distributed), config.runtime, world)
     optimizers = build_optimizers(wrapped.named_parameters(), config.optimizer)
     batches = PackedBatches(
-        data,
+        run_data.data,
         config.data.total_seq_len,
         seed=config.seed,
-        samples=train_samples,
+        samples=run_data.train_samples,
         rank=world.rank,
         world_size=world.size,
         hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
@@ -271,12 +141,30 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     if trainer.max_steps is not None:
         total = min(total, trainer.max_steps)
     if config.online.online:
-        prepare_cache(data, world)
+        prepare_cache(run_data.data, world)
     schedulers = build_schedulers(optimizers, config.scheduler, total)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizers, schedulers, batches, total,
-        mask_token_id, reason, resume, heldout_samples,
+        start.mask_token_id, start.mask_token_reason, start.resume, run_data.heldout_samples,
     )
+
+
+def _build_draft(config: TrainConfig, world: World, start: WeightsStart, run_data: RunData):
+    """The draft, seeded by ``config.seed``, with the pretrained draft's weights when there
+    is one (dropped once copied), on the run's device and dtype, in training mode."""
+    torch.manual_seed(config.seed)
+    draft = start.algorithm.build_draft(
+        config, d2t=run_data.d2t, t2d=run_data.t2d, target_layer_ids=run_data.layer_ids,
+        mask_token_id=start.mask_token_id,
+    )
+    if start.pretrained is not None:
+        copy_pretrained_weights(start.pretrained, draft, config.draft.from_pretrained)
+        start.pretrained = None
+    draft = draft.to(world.device, getattr(torch, config.runtime.dtype))
+    if config.runtime.gradient_checkpointing:
+        draft.gradient_checkpointing_enable({"use_reentrant": False})
+    draft.train()
+    return draft
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
