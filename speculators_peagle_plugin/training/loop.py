@@ -186,34 +186,116 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
 
 
 def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
-    from tqdm import tqdm
-
     if env_rank() == 0:
         remove_stale_temporaries(save_path)  # what a killed run's atomic writes left
     setup = build_training(config, save_path)
-    world, draft, module = setup.world, setup.draft, setup.module
+    start, saved = _resume(setup, save_path)
+    steps_per_epoch = len(setup.batches)
+    cadence = Cadence.of(config, steps_per_epoch, setup.total_steps)
+    validation = Validation.of_run(config, save_path, start, setup.world, setup.heldout_samples)
+    on_grid = cadence.on_grid(start)
+    if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
+        return validation.best_dir if validation.keeps_best else saved  # it stopped early before
+    saved = _run_steps(setup, save_path, start, saved, cadence, validation, progress)
+    if validation is not None and validation.keeps_best and validation.best is not None:
+        return validation.best_dir
+    if saved is None:  # resumed from a finished run: nothing left to do
+        raise UserError(f"{save_path} holds no checkpoint to return.")
+    return saved
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a run logs and saves, by the steps done: a record every ``log_freq`` steps, a
+    checkpoint (then its validation) every ``every`` steps and after the last; both when a
+    signal stops the run."""
+
+    log_freq: int
+    every: int
+    total: int
+
+    @classmethod
+    def of(cls, config: TrainConfig, steps_per_epoch: int, total: int) -> Cadence:
+        every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
+        return cls(config.logging.log_freq, every, total)
+
+    def on_grid(self, done: int) -> bool:
+        """A checkpoint after ``done`` steps is one of the grid's (not a signal's)."""
+        return done % self.every == 0 or done == self.total
+
+    def logs(self, done: int, stop: bool) -> bool:
+        return stop or done % self.log_freq == 0
+
+    def saves(self, done: int, stop: bool) -> bool:
+        return stop or self.on_grid(done)
+
+
+def _resume(setup: TrainingSetup, save_path: Path) -> tuple[int, Path | None]:
+    """``(first step, checkpoint resumed from)``: the run's checkpoint loaded, if any, and
+    the metrics log cut back to it."""
+    world, draft = setup.world, setup.draft
     if world.rank == 0:
         check_checkpoint_space(save_path, draft)
-    if world.rank == 0:
         logger.info("mask_token_id %d: %s", setup.mask_token_id, setup.mask_token_reason)
-    start = 0
-    saved = None
+    start, saved = 0, None
     if setup.resume is not None:
         start = load_checkpoint(
-            setup.resume, setup.wrapped, draft, setup.optimizers, setup.schedulers, config, world
+            setup.resume, setup.wrapped, draft, setup.optimizers, setup.schedulers,
+            setup.config, world,
         )
         saved, setup.resume = setup.resume.path, None  # the loaded tensors are not kept
         if world.rank == 0:
             logger.info("resumed from %s at step %d", saved, start)
-    metrics_path = save_path / METRICS_FILE
     if world.rank == 0:
-        trim_metrics_log(metrics_path, start)
-    steps_per_epoch = len(setup.batches)
-    every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
-    validation = Validation.of_run(config, save_path, start, world, setup.heldout_samples)
-    on_grid = start % every == 0 or start == setup.total_steps
-    if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
-        return validation.best_dir if validation.keeps_best else saved  # it stopped early before
+        trim_metrics_log(save_path / METRICS_FILE, start)
+    return start, saved
+
+
+@dataclass
+class _StepRecords:
+    """Runs one optimizer step and builds its record."""
+
+    setup: TrainingSetup
+    trainable: list[nn.Parameter]  # the parameters whose gradient norm is clipped
+    states_dtype: torch.dtype  # of the hidden states on the device
+    online: object | None  # the online source whose target time a record reports
+    run_began: float
+
+    def record(self, step: int, rows: RowsAhead, stop: StopFlag, saved: Path | None) -> dict:
+        """Step ``step`` (0-based) on its row: loss and figures reduced over the ranks,
+        learning rates, gradient norm, speeds, ``stop`` (a signal arrived on some rank)."""
+        setup = self.setup
+        config, world = setup.config, setup.world
+        began = time.perf_counter()
+        row, waited = rows.get(step)
+        with memory_for(row["input_ids"].shape[-1]):
+            batch = to_device(row, world.device, self.states_dtype)
+            setup.optimizers.zero_grad(set_to_none=True)
+            stats = train_step(setup.wrapped, setup.module, batch, config, world, step)
+            grad_norm = gradient_norm(self.trainable, config.optimizer.max_grad_norm)
+            tokens = float((batch["document_ids"] >= 0).sum())
+            record = reduce_record(stats, tokens, stop.signum, world)
+            check_finite(record["loss"], grad_norm, step + 1, saved)
+            setup.optimizers.step()
+        setup.schedulers.step()
+        now = time.perf_counter()
+        record.update(
+            step=step + 1, epoch=step // len(setup.batches), **setup.optimizers.learning_rates(),
+            grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
+            data_share=waited / (now - began), wall_s=now - self.run_began,
+        )
+        if self.online is not None:  # this rank's share of the step spent in the target
+            record["target_share"] = self.online.take_seconds() / (now - began)
+        return record
+
+
+def _run_steps(setup: TrainingSetup, save_path: Path, start: int, saved: Path | None,
+               cadence: Cadence, validation: Validation | None, progress: bool) -> Path | None:
+    """Steps ``start`` to the last (or an early stop); returns the last checkpoint saved.
+    Raises :class:`TrainingInterrupted` after saving when a signal stops the run."""
+    from tqdm import tqdm
+
+    config, world = setup.config, setup.world
     dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
     bar = tqdm(
@@ -223,7 +305,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     online = setup.batches.data.online
     if online is not None and getattr(online, "read_ahead", False):
         online = None  # a server computes its rows: read like files
-    run_began = time.perf_counter()
+    steps = _StepRecords(setup, trainable, dtype, online, time.perf_counter())
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
     with (
         bar,  # closed however the loop ends, so an error starts on a line of its own
@@ -232,43 +314,22 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         Trackers(config.logging, world.rank, hparams=config.to_dict()) as trackers,
     ):
         for step in range(start, setup.total_steps):
-            began = time.perf_counter()
-            epoch = step // steps_per_epoch
-            row, waited = rows.get(step)
-            with memory_for(row["input_ids"].shape[-1]):
-                batch = to_device(row, world.device, dtype)
-                setup.optimizers.zero_grad(set_to_none=True)
-                stats = train_step(setup.wrapped, module, batch, config, world, step)
-                grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
-                tokens = float((batch["document_ids"] >= 0).sum())
-                record = reduce_record(stats, tokens, stop.signum, world)
-                check_finite(record["loss"], grad_norm, step + 1, saved)
-                setup.optimizers.step()
-            setup.schedulers.step()
-            now = time.perf_counter()
-            record.update(
-                step=step + 1, epoch=epoch, **setup.optimizers.learning_rates(),
-                grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
-                data_share=waited / (now - began), wall_s=now - run_began,
-            )
-            if online is not None:  # this rank's share of the step spent in the target
-                record["target_share"] = online.take_seconds() / (now - began)
-            stop_now = record.pop("stop")
+            record = steps.record(step, rows, stop, saved)
+            stop_now, done = record.pop("stop"), step + 1
             bar.update(1)
             bar.set_postfix(format_postfix(record), refresh=False)
-            if world.rank == 0 and ((step + 1) % config.logging.log_freq == 0 or stop_now):
-                append_record(metrics_path, record)
-                trackers.log(record, step + 1)
-            done = step + 1 == setup.total_steps
-            if stop_now or done or (step + 1) % every == 0:
+            if world.rank == 0 and cadence.logs(done, stop_now):
+                append_record(save_path / METRICS_FILE, record)
+                trackers.log(record, done)
+            if cadence.saves(done, stop_now):
                 saved = save_checkpoint(
-                    save_path, step + 1, wrapped=setup.wrapped, draft=draft,
+                    save_path, done, wrapped=setup.wrapped, draft=setup.draft,
                     optimizers=setup.optimizers, schedulers=setup.schedulers,
                     config=config, world=world,
                 )
                 if validation is not None and not stop_now:
-                    stop_early = validation.score(saved, step + 1, (step + 1) / steps_per_epoch)
-                    trackers.log(validation.records[-1], step + 1, prefix="val")
+                    stop_early = validation.score(saved, done, done / len(setup.batches))
+                    trackers.log(validation.records[-1], done, prefix="val")
                     if stop_early:
                         logger.info("stopping early: %s", validation.stop_reason)
                         break
@@ -276,8 +337,4 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 bar.close()
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, saved)
     bar.close()
-    if validation is not None and validation.keeps_best and validation.best is not None:
-        return validation.best_dir
-    if saved is None:  # resumed from a finished run: nothing left to do
-        raise UserError(f"{save_path} holds no checkpoint to return.")
     return saved
