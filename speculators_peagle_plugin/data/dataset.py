@@ -273,6 +273,25 @@ def _hidden_states_layout(
     return hidden_size, n_aux
 
 
+def _stored_states(path: Path, num_rows: int, verifier_hidden_size, num_aux_layers):
+    """``(H, n_aux, reader)`` of the hidden-state files, their layout checked."""
+    hidden_size, n_aux = _hidden_states_layout(path, num_rows, verifier_hidden_size, num_aux_layers)
+    from hs_connectors.transfer import FP8Transfer
+
+    # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
+    return hidden_size, n_aux, FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32)
+
+
+def _check_online_ids(path: Path, largest_id: int, online: HiddenStatesSource) -> None:
+    """Every token id of the rows is in the vocabulary of the target that computes their
+    states."""
+    if largest_id >= online.vocab_size:
+        raise DataError(
+            f"The dataset at {path} holds token id {largest_id}, outside the target's "
+            f"vocabulary of {online.vocab_size}; it was made for another target."
+        )
+
+
 def _chosen_aux_slots(
     chosen: tuple[int, ...] | None,
     online: HiddenStatesSource | None,
@@ -328,21 +347,12 @@ def open_training_data(
         raise DataError(f"Data path {str(data_path)!r} is not an existing directory.")
     num_rows, lengths, num_loss_tokens, largest_id = _read_rows(path)
     if online is None:
-        hidden_size, n_aux = _hidden_states_layout(
+        hidden_size, n_aux, transfer = _stored_states(
             path, num_rows, verifier_hidden_size, num_aux_layers
         )
-        from hs_connectors.transfer import FP8Transfer
-
-        # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
-        transfer = FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32)
     else:
-        if largest_id >= online.vocab_size:
-            raise DataError(
-                f"The dataset at {path} holds token id {largest_id}, outside the target's "
-                f"vocabulary of {online.vocab_size}; it was made for another target."
-            )
+        _check_online_ids(path, largest_id, online)
         hidden_size, n_aux, transfer = online.hidden_size, online.num_aux_layers, online
-
     dataset = _checked_arrow_dataset_class()(
         max_len=int(lengths.max()), datapath=str(path), transfer=transfer, on_missing="raise"
     )
