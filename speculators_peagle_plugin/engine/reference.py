@@ -35,17 +35,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from speculators.models.peagle.config import PEagleSpeculatorConfig
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from ..common.errors import UserError
-from ..model.peagle_draft import PEagleDraftModel
+from ..model.build import load_reference_draft
 from ..model.target import FinalNormInput, eos_token_ids
 from .counters import SpecDecodeCounters
 
 __all__ = [
     "ReferenceRuntime",
-    "load_reference_draft",
     "stop_token_ids",
 ]
 
@@ -59,21 +57,6 @@ def stop_token_ids(target_dir: str | Path, tokenizer=None) -> set[int]:
     except OSError:  # no generation_config.json
         generation_config = None
     return set(eos_token_ids(tokenizer, generation_config))
-
-
-def load_reference_draft(
-    draft_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
-) -> PEagleDraftModel:
-    """Load a speculators-format P-EAGLE checkpoint (ours or speculators') for inference.
-
-    The verifier path is pointed at ``target_dir`` so that speculators resolves layer
-    ids and fills weights the checkpoint leaves out (embeddings) from the local target,
-    as vLLM shares them; no hub access.
-    """
-    config = PEagleSpeculatorConfig.from_pretrained(str(draft_dir))
-    config.speculators_config.verifier.name_or_path = str(target_dir)
-    draft = PEagleDraftModel.from_pretrained(str(draft_dir), config=config)
-    return draft.to(dtype).eval()
 
 
 class _TargetWithAux:

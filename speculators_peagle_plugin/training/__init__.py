@@ -7,6 +7,7 @@ CUDA), ``algorithm`` (entry points), ``optim`` (optimizer and scheduler sections
 ``distributed`` (ranks, wrappers; the ``runtime`` section), ``step``, ``checkpoint`` (the
 ``trainer`` section), ``progress`` (the ``logging`` section), ``online`` (the ``online``
 section), ``served`` (rows' states from vLLM servers), ``validation`` / ``heldout``
-(held-out scoring), ``prefetch``, ``loop``, ``pretrained`` (starting from a trained draft),
+(held-out scoring), ``prefetch``, ``loop`` (with ``weights_start`` and
+``run_data``, its first two steps), ``pretrained`` (starting from a trained draft),
 ``speculators_keys`` (speculators' ``train`` YAML), ``trackers`` (metric trackers).
 """

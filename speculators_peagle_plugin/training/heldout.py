@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..data import PackedBatches, open_training_data
-from ..engine.reference import load_reference_draft
+from ..model.build import load_reference_draft
 from .algorithm import load_algorithm
 from .metrics import acceptance_length, depth_accuracy
 from .step import autocast_context, cod_generator, to_device

@@ -11,8 +11,9 @@ addressed by ``(epoch, step)`` and the COD sample is drawn from a generator seed
 ``(seed, step, rank)``. Resuming from a checkpoint therefore reproduces an uninterrupted
 run bit for bit.
 
-The parts: :mod:`.distributed` (ranks, wrappers), :mod:`.step` (one step),
-:mod:`.checkpoint` (save, resume), :mod:`.progress` (records, the log, signals).
+The parts: :mod:`.weights_start` (where the weights start), :mod:`.run_data` (the data),
+:mod:`.distributed` (ranks, wrappers), :mod:`.step` (one step), :mod:`.checkpoint` (save,
+resume), :mod:`.progress` (records, the log, signals).
 """
 
 from __future__ import annotations
@@ -31,22 +32,13 @@ from torch import nn
 from ..common.errors import UserError, memory_for
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
-from ..common.reading import read_json
-from ..data import PackedBatches, default_target_layer_ids, open_training_data, split_samples
-from ..model.mask_token import choose_mask_token_id, mask_token_problem
-from .algorithm import load_algorithm
-from .checkpoint import (
-    ResumePoint,
-    check_checkpoint_space,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-)
+from ..data import PackedBatches
+from .checkpoint import ResumePoint, check_checkpoint_space, load_checkpoint, save_checkpoint
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
-from .online import online_layer_ids, open_online_data, prepare_cache
+from .online import prepare_cache
 from .optim import Optimizers, Schedulers, build_optimizers, build_schedulers
 from .prefetch import RowsAhead
-from .pretrained import check_pretrained_fits, copy_pretrained_weights, load_pretrained_draft
+from .pretrained import copy_pretrained_weights
 from .progress import (
     METRICS_FILE,
     StopFlag,
@@ -57,11 +49,12 @@ from .progress import (
     reduce_record,
     trim_metrics_log,
 )
-from .served import kept_samples, open_served_data
+from .run_data import RunData, open_run_data
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
 from .train_config import TrainConfig
 from .validation import Validation
+from .weights_start import WeightsStart, start_weights
 
 logger = logging.getLogger(__name__)
 
@@ -87,44 +80,6 @@ class TrainingSetup:
     heldout_samples: tuple[int, ...] = ()  # of data_path, scored after each checkpoint
 
 
-def _resolve_mask_token(
-    config: TrainConfig, vocab_size: int, kept: tuple[int, str] | None
-) -> tuple[int, str]:
-    """``--mask-token-id``, else ``kept`` (the id a draft run from ``--from-pretrained``
-    was trained with), else one the tokenizer never produces; with the reason."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.verifier.verifier_name_or_path)
-    given = config.draft.mask_token_id
-    if given is None and kept is None:
-        return choose_mask_token_id(tokenizer, vocab_size)
-    mask, reason = (given, "given with --mask-token-id") if given is not None else kept
-    problem = mask_token_problem(tokenizer, mask, vocab_size)
-    if problem:
-        raise UserError(problem)
-    return mask, reason
-
-
-def _kept_mask_token(config: TrainConfig, pretrained, resume) -> tuple[int, str] | None:
-    """The mask token id of the draft a ``--from-pretrained`` run continues: the pretrained
-    draft's, or, resumed, its checkpoint's (the same id, without reading that draft again).
-
-    A ``--mask-token-id`` other than the pretrained draft's is one sentence.
-    """
-    if resume is not None and config.draft.from_pretrained:
-        kept = read_json(resume.path / "config.json").get("mask_token_id")
-        return None if kept is None else (kept, f"the one {resume.path.name} was trained with")
-    if pretrained is None:
-        return None
-    kept, given = pretrained.config.mask_token_id, config.draft.mask_token_id
-    if given is not None and given != kept:
-        raise UserError(
-            f"--mask-token-id {given} differs from the mask token {kept} that --from-pretrained "
-            f"{config.draft.from_pretrained} was trained with; pass {kept} or leave it out."
-        )
-    return kept, "the one --from-pretrained's draft was trained with"
-
-
 ONEDNN_CACHE_CAPACITY = 128
 
 
@@ -140,62 +95,9 @@ def _bound_onednn_cache() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
-def _verifier_config(config: TrainConfig):
-    """The verifier's (text) config, read from its local directory; the hub is not used."""
-    from transformers import AutoConfig
-
-    verifier = Path(config.verifier.verifier_name_or_path)
-    if not (verifier / "config.json").exists():
-        raise UserError(
-            f"--verifier-name-or-path {verifier} is not a local transformers model directory "
-            "(no config.json); the hub is not used."
-        )
-    verifier_config = AutoConfig.from_pretrained(verifier)
-    return getattr(verifier_config, "text_config", verifier_config)
-
-
-def _target_layer_ids(config: TrainConfig, data, verifier_config) -> tuple[int, ...]:
-    """The flag's (which ``open_training_data`` checked against the data), else the data's,
-    else the default.
-
-    Data made by ``generate-data`` records its layer ids; other data (speculators' own)
-    records only their count, which is all that is checked.
-    """
-    layer_ids = data.target_layer_ids or default_target_layer_ids(verifier_config.num_hidden_layers)
-    if data.settings is not None:
-        return layer_ids
-    if len(layer_ids) != data.num_aux_layers:
-        raise UserError(
-            f"--target-layer-ids {list(layer_ids)} names {len(layer_ids)} layers but "
-            f"{config.data.data_path} holds {data.num_aux_layers} aux hidden states per token."
-        )
-    logger.info(
-        "%s does not record which target layers its aux hidden states come from; "
-        "training as layers %s (only their count, %d, could be checked)",
-        config.data.data_path, list(layer_ids), data.num_aux_layers,
-    )
-    return layer_ids
-
-
-def _open_data(config: TrainConfig, verifier_config, world: World):
-    """``(data, aux layer ids)``: the target's states computed in training (``--online``),
-    rows without states from vLLM servers (:mod:`.served`), or the files of ``data_path``."""
-    if config.online.online:
-        layer_ids = online_layer_ids(config, verifier_config)
-        return open_online_data(config, layer_ids, world), layer_ids
-    served = open_served_data(config, verifier_config, world)
-    if served is not None:
-        return served
-    data = open_training_data(
-        config.data.data_path, draft_vocab_size=config.draft.draft_vocab_size,
-        verifier_hidden_size=verifier_config.hidden_size,
-        aux_layer_ids=config.draft.target_layer_ids,
-    )
-    return data, _target_layer_ids(config, data, verifier_config)
-
-
 def build_training(config: TrainConfig, save_path: Path | None = None) -> TrainingSetup:
-    """Validate the data, build draft, trainer module, wrapper, optimizers and schedules.
+    """Start the weights, open the data, then build draft, trainer module, wrapper,
+    optimizers and schedules.
 
     With ``from_pretrained`` the draft starts from that draft's weights (unless the run
     resumes: its checkpoint's weights replace them anyway); with ``train_data_ratio`` below
@@ -209,54 +111,22 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     world = World.from_env(config.runtime.device)
     if world.device.type == "cpu" and config.runtime.autocast != "none":
         _bound_onednn_cache()
-    algorithm = load_algorithm(config.algorithm)
-    verifier_config = _verifier_config(config)
-    vocab, draft_vocab = verifier_config.vocab_size, config.draft.draft_vocab_size
-    if draft_vocab > vocab:
-        raise UserError(
-            f"--draft-vocab-size {draft_vocab} exceeds the target's vocabulary ({vocab})."
-        )
-    resume = None if save_path is None else resume_point(config, save_path, world)
-    pretrained = None
-    if config.draft.from_pretrained and resume is None:  # a resumed run has its checkpoint
-        pretrained = load_pretrained_draft(
-            config.draft.from_pretrained, config.verifier.verifier_name_or_path
-        )
-    kept = _kept_mask_token(config, pretrained, resume)
-    mask_token_id, reason = _resolve_mask_token(config, vocab, kept)
-    data, layer_ids = _open_data(config, verifier_config, world)
-    if pretrained is not None:
-        check_pretrained_fits(
-            pretrained, config.draft.from_pretrained, num_layers=config.draft.num_layers,
-            draft_vocab_size=draft_vocab, target_layer_ids=layer_ids,
-            target_hidden_size=verifier_config.hidden_size,
-            norm_before_residual=config.draft.norm_before_residual,
-        )
-    train_samples, heldout_samples = split_samples(data, config.data.train_data_ratio, config.seed)
-    train_samples = kept_samples(data, train_samples)
-    data.validate(progress=world.rank == 0)
-    d2t, t2d = data.vocab_mapping(draft_vocab, target_vocab_size=vocab)
+    start = start_weights(config, save_path, world)
+    run_data = open_run_data(config, start, world)
+    return _build(config, world, start, run_data)
 
-    torch.manual_seed(config.seed)
-    dtype = getattr(torch, config.runtime.dtype)
-    draft = algorithm.build_draft(
-        config, d2t=d2t, t2d=t2d, target_layer_ids=layer_ids, mask_token_id=mask_token_id
-    )
-    if pretrained is not None:
-        copy_pretrained_weights(pretrained, draft, config.draft.from_pretrained)
-        del pretrained
-    draft = draft.to(world.device, dtype)
-    if config.runtime.gradient_checkpointing:
-        draft.gradient_checkpointing_enable({"use_reentrant": False})
-    draft.train()
-    module = algorithm.build_trainer(draft, config, mask_token_id=mask_token_id)
+
+def _build(config: TrainConfig, world: World, start: WeightsStart, run_data: RunData):
+    """The draft, its trainer module, wrapper, optimizers, batches and schedules."""
+    draft = _build_draft(config, world, start, run_data)
+    module = start.algorithm.build_trainer(draft, config, mask_token_id=start.mask_token_id)
     wrapped = wrap(StepModule(module, every_parameter=world.distributed), config.runtime, world)
     optimizers = build_optimizers(wrapped.named_parameters(), config.optimizer)
     batches = PackedBatches(
-        data,
+        run_data.data,
         config.data.total_seq_len,
         seed=config.seed,
-        samples=train_samples,
+        samples=run_data.train_samples,
         rank=world.rank,
         world_size=world.size,
         hidden_states_dtype=getattr(torch, config.runtime.hidden_states_dtype),
@@ -271,12 +141,30 @@ def build_training(config: TrainConfig, save_path: Path | None = None) -> Traini
     if trainer.max_steps is not None:
         total = min(total, trainer.max_steps)
     if config.online.online:
-        prepare_cache(data, world)
+        prepare_cache(run_data.data, world)
     schedulers = build_schedulers(optimizers, config.scheduler, total)
     return TrainingSetup(
         config, world, draft, module, wrapped, optimizers, schedulers, batches, total,
-        mask_token_id, reason, resume, heldout_samples,
+        start.mask_token_id, start.mask_token_reason, start.resume, run_data.heldout_samples,
     )
+
+
+def _build_draft(config: TrainConfig, world: World, start: WeightsStart, run_data: RunData):
+    """The draft, seeded by ``config.seed``, with the pretrained draft's weights when there
+    is one (dropped once copied), on the run's device and dtype, in training mode."""
+    torch.manual_seed(config.seed)
+    draft = start.algorithm.build_draft(
+        config, d2t=run_data.d2t, t2d=run_data.t2d, target_layer_ids=run_data.layer_ids,
+        mask_token_id=start.mask_token_id,
+    )
+    if start.pretrained is not None:
+        copy_pretrained_weights(start.pretrained, draft, config.draft.from_pretrained)
+        start.pretrained = None
+    draft = draft.to(world.device, getattr(torch, config.runtime.dtype))
+    if config.runtime.gradient_checkpointing:
+        draft.gradient_checkpointing_enable({"use_reentrant": False})
+    draft.train()
+    return draft
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> Path:
@@ -298,34 +186,116 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
 
 
 def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
-    from tqdm import tqdm
-
     if env_rank() == 0:
         remove_stale_temporaries(save_path)  # what a killed run's atomic writes left
     setup = build_training(config, save_path)
-    world, draft, module = setup.world, setup.draft, setup.module
+    start, saved = _resume(setup, save_path)
+    steps_per_epoch = len(setup.batches)
+    cadence = Cadence.of(config, steps_per_epoch, setup.total_steps)
+    validation = Validation.of_run(config, save_path, start, setup.world, setup.heldout_samples)
+    on_grid = cadence.on_grid(start)
+    if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
+        return validation.best_dir if validation.keeps_best else saved  # it stopped early before
+    saved = _run_steps(setup, save_path, start, saved, cadence, validation, progress)
+    if validation is not None and validation.keeps_best and validation.best is not None:
+        return validation.best_dir
+    if saved is None:  # resumed from a finished run: nothing left to do
+        raise UserError(f"{save_path} holds no checkpoint to return.")
+    return saved
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a run logs and saves, by the steps done: a record every ``log_freq`` steps, a
+    checkpoint (then its validation) every ``every`` steps and after the last; both when a
+    signal stops the run."""
+
+    log_freq: int
+    every: int
+    total: int
+
+    @classmethod
+    def of(cls, config: TrainConfig, steps_per_epoch: int, total: int) -> Cadence:
+        every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
+        return cls(config.logging.log_freq, every, total)
+
+    def on_grid(self, done: int) -> bool:
+        """A checkpoint after ``done`` steps is one of the grid's (not a signal's)."""
+        return done % self.every == 0 or done == self.total
+
+    def logs(self, done: int, stop: bool) -> bool:
+        return stop or done % self.log_freq == 0
+
+    def saves(self, done: int, stop: bool) -> bool:
+        return stop or self.on_grid(done)
+
+
+def _resume(setup: TrainingSetup, save_path: Path) -> tuple[int, Path | None]:
+    """``(first step, checkpoint resumed from)``: the run's checkpoint loaded, if any, and
+    the metrics log cut back to it."""
+    world, draft = setup.world, setup.draft
     if world.rank == 0:
         check_checkpoint_space(save_path, draft)
-    if world.rank == 0:
         logger.info("mask_token_id %d: %s", setup.mask_token_id, setup.mask_token_reason)
-    start = 0
-    saved = None
+    start, saved = 0, None
     if setup.resume is not None:
         start = load_checkpoint(
-            setup.resume, setup.wrapped, draft, setup.optimizers, setup.schedulers, config, world
+            setup.resume, setup.wrapped, draft, setup.optimizers, setup.schedulers,
+            setup.config, world,
         )
         saved, setup.resume = setup.resume.path, None  # the loaded tensors are not kept
         if world.rank == 0:
             logger.info("resumed from %s at step %d", saved, start)
-    metrics_path = save_path / METRICS_FILE
     if world.rank == 0:
-        trim_metrics_log(metrics_path, start)
-    steps_per_epoch = len(setup.batches)
-    every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
-    validation = Validation.of_run(config, save_path, start, world, setup.heldout_samples)
-    on_grid = start % every == 0 or start == setup.total_steps
-    if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
-        return validation.best_dir if validation.keeps_best else saved  # it stopped early before
+        trim_metrics_log(save_path / METRICS_FILE, start)
+    return start, saved
+
+
+@dataclass
+class _StepRecords:
+    """Runs one optimizer step and builds its record."""
+
+    setup: TrainingSetup
+    trainable: list[nn.Parameter]  # the parameters whose gradient norm is clipped
+    states_dtype: torch.dtype  # of the hidden states on the device
+    online: object | None  # the online source whose target time a record reports
+    run_began: float
+
+    def record(self, step: int, rows: RowsAhead, stop: StopFlag, saved: Path | None) -> dict:
+        """Step ``step`` (0-based) on its row: loss and figures reduced over the ranks,
+        learning rates, gradient norm, speeds, ``stop`` (a signal arrived on some rank)."""
+        setup = self.setup
+        config, world = setup.config, setup.world
+        began = time.perf_counter()
+        row, waited = rows.get(step)
+        with memory_for(row["input_ids"].shape[-1]):
+            batch = to_device(row, world.device, self.states_dtype)
+            setup.optimizers.zero_grad(set_to_none=True)
+            stats = train_step(setup.wrapped, setup.module, batch, config, world, step)
+            grad_norm = gradient_norm(self.trainable, config.optimizer.max_grad_norm)
+            tokens = float((batch["document_ids"] >= 0).sum())
+            record = reduce_record(stats, tokens, stop.signum, world)
+            check_finite(record["loss"], grad_norm, step + 1, saved)
+            setup.optimizers.step()
+        setup.schedulers.step()
+        now = time.perf_counter()
+        record.update(
+            step=step + 1, epoch=step // len(setup.batches), **setup.optimizers.learning_rates(),
+            grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
+            data_share=waited / (now - began), wall_s=now - self.run_began,
+        )
+        if self.online is not None:  # this rank's share of the step spent in the target
+            record["target_share"] = self.online.take_seconds() / (now - began)
+        return record
+
+
+def _run_steps(setup: TrainingSetup, save_path: Path, start: int, saved: Path | None,
+               cadence: Cadence, validation: Validation | None, progress: bool) -> Path | None:
+    """Steps ``start`` to the last (or an early stop); returns the last checkpoint saved.
+    Raises :class:`TrainingInterrupted` after saving when a signal stops the run."""
+    from tqdm import tqdm
+
+    config, world = setup.config, setup.world
     dtype = getattr(torch, config.runtime.hidden_states_dtype)
     trainable = [p for p in setup.wrapped.parameters() if p.requires_grad]
     bar = tqdm(
@@ -335,7 +305,7 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     online = setup.batches.data.online
     if online is not None and getattr(online, "read_ahead", False):
         online = None  # a server computes its rows: read like files
-    run_began = time.perf_counter()
+    steps = _StepRecords(setup, trainable, dtype, online, time.perf_counter())
     # Reading a row ahead hides it behind the step; an online row runs the target instead.
     with (
         bar,  # closed however the loop ends, so an error starts on a line of its own
@@ -344,43 +314,22 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
         Trackers(config.logging, world.rank, hparams=config.to_dict()) as trackers,
     ):
         for step in range(start, setup.total_steps):
-            began = time.perf_counter()
-            epoch = step // steps_per_epoch
-            row, waited = rows.get(step)
-            with memory_for(row["input_ids"].shape[-1]):
-                batch = to_device(row, world.device, dtype)
-                setup.optimizers.zero_grad(set_to_none=True)
-                stats = train_step(setup.wrapped, module, batch, config, world, step)
-                grad_norm = gradient_norm(trainable, config.optimizer.max_grad_norm)
-                tokens = float((batch["document_ids"] >= 0).sum())
-                record = reduce_record(stats, tokens, stop.signum, world)
-                check_finite(record["loss"], grad_norm, step + 1, saved)
-                setup.optimizers.step()
-            setup.schedulers.step()
-            now = time.perf_counter()
-            record.update(
-                step=step + 1, epoch=epoch, **setup.optimizers.learning_rates(),
-                grad_norm=grad_norm, tokens_per_s=record["tokens"] / (now - began),
-                data_share=waited / (now - began), wall_s=now - run_began,
-            )
-            if online is not None:  # this rank's share of the step spent in the target
-                record["target_share"] = online.take_seconds() / (now - began)
-            stop_now = record.pop("stop")
+            record = steps.record(step, rows, stop, saved)
+            stop_now, done = record.pop("stop"), step + 1
             bar.update(1)
             bar.set_postfix(format_postfix(record), refresh=False)
-            if world.rank == 0 and ((step + 1) % config.logging.log_freq == 0 or stop_now):
-                append_record(metrics_path, record)
-                trackers.log(record, step + 1)
-            done = step + 1 == setup.total_steps
-            if stop_now or done or (step + 1) % every == 0:
+            if world.rank == 0 and cadence.logs(done, stop_now):
+                append_record(save_path / METRICS_FILE, record)
+                trackers.log(record, done)
+            if cadence.saves(done, stop_now):
                 saved = save_checkpoint(
-                    save_path, step + 1, wrapped=setup.wrapped, draft=draft,
+                    save_path, done, wrapped=setup.wrapped, draft=setup.draft,
                     optimizers=setup.optimizers, schedulers=setup.schedulers,
                     config=config, world=world,
                 )
                 if validation is not None and not stop_now:
-                    stop_early = validation.score(saved, step + 1, (step + 1) / steps_per_epoch)
-                    trackers.log(validation.records[-1], step + 1, prefix="val")
+                    stop_early = validation.score(saved, done, done / len(setup.batches))
+                    trackers.log(validation.records[-1], done, prefix="val")
                     if stop_early:
                         logger.info("stopping early: %s", validation.stop_reason)
                         break
@@ -388,8 +337,4 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
                 bar.close()
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, saved)
     bar.close()
-    if validation is not None and validation.keeps_best and validation.best is not None:
-        return validation.best_dir
-    if saved is None:  # resumed from a finished run: nothing left to do
-        raise UserError(f"{save_path} holds no checkpoint to return.")
     return saved

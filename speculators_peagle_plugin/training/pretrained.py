@@ -3,7 +3,7 @@
 As speculators' key means it: the draft's weights, then a fresh optimizer and schedule from
 step 0 (continuing a run is ``--resume``; a resumed run never reads the pretrained draft
 again, its checkpoint holds what it learned since). The draft is read by the loader
-``eval`` and the held-out scoring use (:func:`~..engine.reference.load_reference_draft`:
+``eval`` and the held-out scoring use (:func:`~..model.build.load_reference_draft`:
 speculators' ``from_pretrained`` into our class, the verifier pointed at the local target
 for what the checkpoint leaves out), so a checkpoint of ours, its ``best/`` copy and
 speculators' ``save_pretrained`` output load alike. Its weights, vocabulary mapping
@@ -21,6 +21,7 @@ from torch import nn
 
 from ..common.errors import UserError
 from ..common.reading import first_line, read_json
+from ..model.build import load_reference_draft
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ def load_pretrained_draft(path: str | Path, verifier_dir: str | Path) -> nn.Modu
     Raises ``ValueError`` (one sentence naming ``path``) when it is not a directory with a
     ``config.json``, not a P-EAGLE draft, holds no weights, or does not load.
     """
-    from ..engine.reference import load_reference_draft
-
     path = Path(path)
     flag = f"--from-pretrained {path}"
     if not (path / "config.json").is_file():
