@@ -171,12 +171,14 @@ def _server_env(k: int, kv_cache_gb: int) -> dict:
 
 
 @contextmanager
-def started(command: list[str], env: dict, log: Path) -> Iterator[subprocess.Popen]:
+def started(
+    command: list[str], env: dict, log: Path, cwd: Path = REPO
+) -> Iterator[subprocess.Popen]:
     """``command`` running, its output in ``log``, until the block ends (its whole process
     group stopped then)."""
     with open(log, "w") as out:
         server = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         yield server

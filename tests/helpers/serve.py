@@ -11,14 +11,14 @@ binding gives), unless the environment chooses.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from eval.bench_served import started
 
 START_S = 600  # a vLLM-CPU engine starts in about a minute on a busy 2-core machine
 
@@ -43,28 +43,15 @@ def vllm_server(command: Callable[[int], list[str]], log: Path, cwd: Path,
     port = free_port()
     env = {"VLLM_CPU_OMP_THREADS_BIND": last_core(), **os.environ, "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    with open(log, "w") as out:
-        server = subprocess.Popen(command(port), cwd=cwd, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    with started(command(port), env, log, cwd) as server:
         base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_S
-            while True:
-                assert server.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, f"vllm serve did not come up in {START_S} s"
-                try:
-                    urllib.request.urlopen(f"{base}/health", timeout=5)
-                    break
-                except OSError:
-                    time.sleep(2)
-            yield base
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(server.pid, sig)
-                    server.wait(60)
-                    break
-                except ProcessLookupError:  # already gone
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        deadline = time.monotonic() + START_S
+        while True:
+            assert server.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, f"vllm serve did not come up in {START_S} s"
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        yield base
