@@ -330,3 +330,26 @@ def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_rerun_resu
     code, out = train(workdir, tmp_path / "files", "data")
     assert code == 0, out
     assert losses(save) == pytest.approx(losses(tmp_path / "files"), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("planted", ["server", "bug"])
+def test_a_server_fault_at_the_probe_is_one_sentence_and_a_bug_keeps_its_traceback(
+    monkeypatch, tmp_path, planted
+):
+    from speculators.data_generation.vllm_client import InvalidResponseError
+
+    states = served_states.ServedHiddenStates(
+        tmp_path, "target", (1, 2), 8, 16, served_states.GenerationConfig()
+    )
+    states.attach([{"input_ids": [1, 2, 3]}], [3])
+    endpoint = served_states.Endpoint("http://127.0.0.1:9", object(), "target")
+    monkeypatch.setattr(served_states, "connect", lambda *a: endpoint)
+
+    def fetch_once(endpoint, token_ids):
+        raise InvalidResponseError("bad reply") if planted == "server" else TypeError("ours")
+
+    monkeypatch.setattr(states, "_fetch_once", fetch_once)
+    expected = served_states.ServerRefused if planted == "server" else TypeError
+    with pytest.raises(expected) as raised:
+        states.connect()
+    assert ("http://127.0.0.1:9" in str(raised.value)) == (planted == "server")

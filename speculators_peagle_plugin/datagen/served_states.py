@@ -121,6 +121,16 @@ def base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+def _server_errors() -> tuple[type[BaseException], ...]:
+    """What a server that gives no usable states for a row raises: its reply refused or
+    malformed, no answer, its file unreadable, or states that do not match the row."""
+    import openai
+    from safetensors import SafetensorError
+    from speculators.data_generation.vllm_client import InvalidResponseError
+
+    return (InvalidResponseError, openai.OpenAIError, OSError, ValueError, SafetensorError)
+
+
 def _reason(err: BaseException) -> str:
     return first_line(err)[:300]
 
@@ -238,7 +248,7 @@ class ServedHiddenStates:
         for endpoint in self.endpoints:
             try:
                 self._fetch_once(endpoint, probe)
-            except Exception as err:  # noqa: BLE001 - every failure is the same sentence
+            except _server_errors() as err:  # anything else is a bug: its traceback stays
                 raise ServerRefused(self._refusal(endpoint, err)) from None
         self.turn = rank % len(self.endpoints)
 
