@@ -40,11 +40,18 @@ LIMIT_S = 300.0  # a run that has not ended by then is killed (and reported as k
 LATEST = 0.75
 
 
-def kill_times(seed: int, n: int, seconds: float) -> list[float]:
-    """``n`` points of time in ``(0, LATEST * seconds)``, drawn uniformly by
-    ``random.Random(seed)``."""
+def kill_times(seed: int, n: int, seconds: float, start: float = 0.0) -> list[float]:
+    """``n`` points of time in ``(start, start + LATEST * (seconds - start))``, drawn
+    uniformly by ``random.Random(seed)``; ``start``: where the part worth killing begins
+    (e.g. :func:`seconds_until`'s first checkpoint)."""
     rng = random.Random(seed)
-    return [rng.uniform(0.0, LATEST * seconds) for _ in range(n)]
+    return [rng.uniform(start, start + LATEST * (seconds - start)) for _ in range(n)]
+
+
+def seconds_until(path: Path, run: dict, ended: float) -> float:
+    """How long into ``run`` (a :meth:`Forker.run` outcome, returned at ``time.time()``
+    ``ended``) ``path`` was last written."""
+    return max(0.0, run["seconds"] - (ended - path.stat().st_mtime))
 
 
 class Forker:
