@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eval import prepare_gpu
+from tools import prepare_gpu
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.kernels import block_sparse
 from speculators_peagle_plugin.selftest import checks, command
