@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The every-turn A/B (issue 60, item 3; eval/RESULTS.md section 9): a draft trained on the
+# The every-turn A/B: a draft trained on the
 # target's replies to ShareGPT first turns only, against one trained on the replies to every
 # user turn of ShareGPT conversations (each turn after the conversation before it, the target
 # answering each in order), at EQUAL replies (rows) and equal optimizer steps; served as the

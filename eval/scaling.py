@@ -10,7 +10,7 @@ training data and validation data every cell shares)::
 
 A cell is N prompts, a draft of L layers and a seed. ``--more-data`` adds prompts beyond the
 run's: a generate-data output, made with the run data's settings, of further prompts
-(``eval.extend_prompts`` writes those of a larger spec that come after the run's own), read
+(``tools.extend_prompts`` writes those of a larger spec that come after the run's own), read
 after the run's rows.
 
 - data: ``OUT/data/prompts-<N>``, the rows of the run's first N training prompts

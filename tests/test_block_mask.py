@@ -117,7 +117,7 @@ def test_the_build_grows_with_the_row_not_its_square():
 
 @pytest.mark.slow
 def test_the_memory_benchmark_runs_shortened():
-    """eval/bench_block_mask.py (RESULTS 13's figures) at one short row: a row per build."""
+    """eval/bench_block_mask.py at one short row: a row per build."""
     import subprocess
     import sys
     from pathlib import Path

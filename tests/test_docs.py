@@ -9,6 +9,7 @@ REPO = Path(__file__).parent.parent
 README = REPO / "README.md"
 PAGES = sorted((REPO / "docs").glob("*.md"))
 RESULTS = REPO / "eval" / "RESULTS.md"
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".sh", ".txt"}
 
 
 def _text(path: Path) -> str:
@@ -50,6 +51,22 @@ def test_named_results_sections_exist():
     assert refs
     unknown = [(p, r) for p, r in refs if not any(s.startswith(r) for s in sections)]
     assert not unknown, f"RESULTS sections named but not found: {unknown}"
+
+
+def test_results_stays_one_table_per_benchmark():
+    """RESULTS.md is the current figures, not a diary: it stays short enough to read."""
+    assert len(RESULTS.read_text().splitlines()) <= 430
+
+
+def test_code_points_at_commands_not_at_results_sections():
+    """Sections move: a comment names the command that measures its claim, and a page names a
+    RESULTS section by its title, never by its number."""
+    numbered = re.compile(r"RESULTS(?:\.md)?(?:'s)?,?\s*\(?(?:section|§)?\s*\d")
+    files = [p for top in ("speculators_peagle_plugin", "eval", "tools", "configs", "docs", "tests")
+             for p in (REPO / top).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES]
+    hits = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in [README, *files] if p != RESULTS
+            for m in numbered.finditer(_text(p))]
+    assert not hits, hits
 
 
 def test_the_bad_input_catalogue_names_real_tests():

@@ -1,4 +1,4 @@
-"""eval/extend_prompts.py: a larger spec's prompts after a run's own, less its validation
+"""tools/extend_prompts.py: a larger spec's prompts after a run's own, less its validation
 prompts; the oracle is the prompt set itself."""
 
 import hashlib
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eval.extend_prompts import extend_prompts  # noqa: E402
 from speculators_peagle_plugin.data.prompts import load_prompt_set  # noqa: E402
 from speculators_peagle_plugin.demo.artifacts import write_prompts  # noqa: E402
+from tools.extend_prompts import extend_prompts  # noqa: E402
 
 HELD_OUT = ("humaneval[120:164]",)
 

@@ -58,7 +58,7 @@ def _row_gib(seq_len: int) -> float:
 def test_peak_memory_grows_linearly_from_8k_to_128k_tokens():
     """From 8K to 128K tokens the peak grows by the row's inputs and a little more (its COD
     indices and plan): 1.5x the inputs' growth plus 0.1 GiB. The same row run flat (no
-    partitions) grows far past it (RESULTS 13); any term in the row's square, 256-fold."""
+    partitions) grows far past it; any term in the row's square, 256-fold."""
     lengths = (8192, 32768, 131072)
     peaks = [_peak_gib(n) for n in lengths]
     inputs = [_row_gib(n) for n in lengths]

@@ -24,7 +24,7 @@ from helpers.imports import recorded, recording_hook
 from helpers.serve import vllm_server
 from tiny_vllm import tiny_vllm_target
 
-from eval import prepare_gpu
+from tools import prepare_gpu
 
 REPO = Path(__file__).parent.parent
 TARGET = "/models/Llama-3.1-8B-Instruct"

@@ -6,12 +6,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eval import prepare_gpu
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.kernels import block_sparse
 from speculators_peagle_plugin.selftest import checks, command
 from speculators_peagle_plugin.selftest.shapes import SHAPES
 from speculators_peagle_plugin.training import draft_loss, peagle_trainer
+from tools import prepare_gpu
 
 
 def test_shipped_wheels_leave_out_what_the_gpu_machine_has():

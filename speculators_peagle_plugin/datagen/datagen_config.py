@@ -112,7 +112,7 @@ class DataGenConfig(Settings):
             is never fed back, so it has no state and its row no loss on it, a target
             distribution after the reply that serving never asks for; rows it could not
             record go to the ``vllm`` pass). None = ``generation`` with the ``vllm``
-            backend (the fastest at the same draft quality, eval/RESULTS.md section 7),
+            backend (the fastest at the same draft quality: `generate-data --hidden-states-from`),
             ``transformers`` with the ``transformers`` backend.
         hidden_states_dtype: ``target`` stores them in ``dtype``; ``float8`` in hs_connectors'
             8-bit format (float8_e4m3fn, one float32 scale per token), read back dequantized.

@@ -115,7 +115,7 @@ class DemoConfig(Settings):
         ``eval_ks_at_max_concurrency`` when given; else the trained K alone, when it is swept
         beside others over several concurrencies: drafting pays less with more requests in
         flight, and the other K stay under 1x there on every machine measured, so they do not
-        change the recommendation (eval/RESULTS.md 4).
+        change the recommendation (`speculators-peagle eval -k 2,4 --concurrency 1,16`).
         """
         sweep = self.sweep
         if sweep.ks_at_max_concurrency is not None:

@@ -207,7 +207,7 @@ def plan_turns(jobs: Sequence[_Job], interleave: bool) -> list[tuple[int, VllmJo
     1 run first, in turns: for each prompt set, prompt ``n`` on every engine before prompt
     ``n + 1`` on any, the engines' order rotating by one each turn. One request in flight is
     where a draft's margin is thinnest, and a CPU's single-request speed drifts between
-    minutes by more than that margin (eval/RESULTS.md, section 8); engines that take turns
+    minutes by more than that margin (`eval --no-interleave` shows it); engines that take turns
     every few seconds see the same drift, which cancels out of their ratio. The jobs at
     higher concurrency then run whole: a cell cut into pieces would drain its batch once
     per piece.

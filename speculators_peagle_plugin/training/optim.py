@@ -42,7 +42,7 @@ class OptimizerConfig:
         "adamw: AdamW on every weight. muon: torch.optim.Muon on the 2-D weight matrices "
         "(not embed_tokens or lm_head) and AdamW on the rest, as speculators splits them. "
         "speculators' default is muon; ours stays adamw until an A/B on served acceptance "
-        "shows muon better (eval/RESULTS.md, section 9).",
+        "shows muon better (python -m eval.ablate --variant adamw --variant muon optimizer=muon).",
         choices=("adamw", "muon"),
     )
     lr: float = setting(1e-3, "AdamW learning rate (with --optimizer muon: of the AdamW part).")

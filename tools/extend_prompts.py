@@ -2,13 +2,13 @@
 
 Usage (a larger cell of ``eval.scaling``: new prompts only, the run's replies kept)::
 
-    .venv/bin/python -m eval.extend_prompts --run-dir runs/long \\
+    .venv/bin/python -m tools.extend_prompts --run-dir runs/long \\
         --prompts "humaneval[0:120]+chat[0:100]+mbpp[:450]+sharegpt[:10887]" \\
         --out runs/long-ext/train_prompts.jsonl
     # then the generate-data command it prints (the run's data settings), and
     .venv/bin/python -m eval.scaling --run-dir runs/long --more-data runs/long-ext/data ...
     # a second extension continues the first: --after its prompts file
-    .venv/bin/python -m eval.extend_prompts --run-dir runs/long --after \
+    .venv/bin/python -m tools.extend_prompts --run-dir runs/long --after \
         runs/long-ext/train_prompts.jsonl --prompts "...+sharegpt[:10887]+mt_mbpp[:7650]" \
         --out runs/long-ext2/train_prompts.jsonl
 

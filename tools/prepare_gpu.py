@@ -2,7 +2,7 @@
 
 Usage (here, with network)::
 
-    .venv/bin/python -m eval.prepare_gpu [--out runs/gpu-wheels]
+    .venv/bin/python -m tools.prepare_gpu [--out runs/gpu-wheels]
 
 It lists the distributions the selftest imports (:data:`SELFTEST_MODULES`, imported
 here in a fresh process), drops those the GPU machine's image holds (:data:`GPU_IMAGE`),
