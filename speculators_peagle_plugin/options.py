@@ -62,17 +62,49 @@ def check_output_paths(config) -> None:
 
 class SettingOption(click.Option):
     """A setting's option. A required setting is checked by its config (``--config`` may
-    give it), so click only marks it in the help."""
+    give it), so click only marks it in the help; ``section``: the config section that holds
+    it (None: the config's own), its heading in the help."""
 
-    def __init__(self, *args, setting_required: bool = False, **kwargs):
+    def __init__(self, *args, setting_required: bool = False, section: str | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.setting_required = setting_required
+        self.section = section
 
     def get_help_extra(self, ctx):
         extra = super().get_help_extra(ctx)
         if self.setting_required:
             extra["required"] = "required"
         return extra
+
+
+def section_of(leaf: Leaf) -> str | None:
+    """The section of its config that holds ``leaf`` (the YAML group of its key); None for
+    the config's own settings."""
+    return leaf.path[0] if len(leaf.path) > 1 else None
+
+
+def section_heading(section: str | None) -> str:
+    """The help's heading of a section's options: ``optimizer options`` (the YAML group that
+    may hold its keys); ``Options`` for the config's own settings, ``--config`` and
+    ``--help``."""
+    return "Options" if section is None else f"{section} options"
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options under a heading per config section, in
+    the order the config declares them, its own settings first."""
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str | None, list] = {None: []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and not isinstance(param, click.Argument):
+                groups.setdefault(getattr(param, "section", None), []).append(record)
+        for section, records in groups.items():
+            if records:
+                with formatter.section(section_heading(section)):
+                    formatter.write_dl(records)
 
 
 def _base(hint):
@@ -99,7 +131,8 @@ def _decorator(leaf: Leaf, repr_defaults: bool):
     else:
         kwargs["metavar"] = "INTS" if get_origin(base) is tuple else _METAVARS[base]
     return click.option(*decls, leaf.key, cls=SettingOption, default=None,
-                        setting_required=leaf.default is MISSING, **kwargs)
+                        setting_required=leaf.default is MISSING, section=section_of(leaf),
+                        **kwargs)
 
 
 def _value(leaf: Leaf, given):
@@ -147,7 +180,9 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_
                    load=None):
     """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
     parses them, builds the config (``load(file, given values)`` when the command reads its
-    file its own way), checks its output paths and runs ``fn`` under :func:`user_errors`."""
+    file its own way), checks its output paths and runs ``fn`` under :func:`user_errors`.
+    ``fn`` keeps ``cls`` as ``config_class`` (docs/config.md lists every command's); a
+    :class:`SectionedCommand` heads its options by section."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -162,6 +197,7 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_
 
         for leaf in reversed([leaf for leaf in leaves(cls) if leaf.has_flag]):
             command = _decorator(leaf, repr_defaults)(command)
+        command.config_class = cls
         file_option = click.option(file_flag, "config_file", type=click.Path(dir_okay=False),
                                    default=None, help=file_help)
         return file_option(command)
