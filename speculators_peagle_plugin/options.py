@@ -175,6 +175,30 @@ def load_config(cls, config_file: str | Path | None, flags: dict):
     return build(cls, {**values, **given_values(cls, flags)}, config_file)
 
 
+def file_with(cls, mapping: Mapping, values: Mapping[str, Any], drop=()) -> dict:
+    """A config file's ``mapping`` (flat or grouped) with ``values`` (``{flat key: value}``)
+    set and the keys ``drop`` left out, each where the file writes it: flat if the file has
+    it flat, else under its section if the file has that section, else flat at the end. So a
+    file changed by a tool keeps its shape, and each key is written once.
+
+    Example: ``file_with(TrainConfig, {"runtime": {"autocast": "bfloat16"}}, {"autocast":
+    "none", "lr": 0.01})`` -> ``{"runtime": {"autocast": "none"}, "lr": 0.01}``.
+    """
+    by_key = {leaf.key: leaf for leaf in leaves(cls)}
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}
+    for key in [*values, *drop]:
+        section = section_of(by_key[key]) if key in by_key else None
+        flat = key in out and not (key == section and isinstance(out[key], dict))
+        group = out.get(section) if not flat and isinstance(out.get(section), dict) else out
+        if key in values:
+            group[key] = values[key]
+        else:
+            group.pop(key, None)
+            if group is not out and not group:
+                del out[section]
+    return out
+
+
 def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_FLAG,
                    file_help: str = "YAML file of option: value (flags override it).",
                    load=None):
