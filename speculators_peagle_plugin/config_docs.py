@@ -132,8 +132,8 @@ def _command_page(name: str, command) -> list[str]:
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     if moved:
-        lines += [f"{other.capitalize()} groups these keys elsewhere (a file may use either "
-                  f"name and group): " + ", ".join(moved) + ".", ""]
+        lines += [f"Where {other}' YAML puts a key elsewhere (a file may use either place): "
+                  + ", ".join(moved) + ".", ""]
     return lines
 
 

@@ -4,12 +4,17 @@ train key elsewhere."""
 
 from pathlib import Path
 
+import pytest
+import yaml
+
 from speculators_peagle_plugin import config_docs
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.common.settings import leaves
-from speculators_peagle_plugin.options import section_of
+from speculators_peagle_plugin.options import load_config, section_of
+from speculators_peagle_plugin.training.train_config import TrainConfig
 
 PAGE = Path(__file__).parents[1] / "docs" / "config.md"
+REQUIRED = {"verifier_name_or_path": "/m", "data_path": "/d"}
 
 
 def test_the_page_is_generated_from_the_settings():
@@ -43,3 +48,21 @@ def test_the_keys_speculators_groups_elsewhere_are_named():
     ]:
         assert f"`{ours}` (theirs: `{theirs}`)" in train
     assert "| `lr` | `--lr` | `0.001` | " in train and "| same |" in train
+
+
+@pytest.mark.parametrize(("ours", "theirs", "value"), [
+    ("logging.log_freq", "trainer.log_freq", 5),
+    ("peagle.max_anchors", "data.max_anchors", 3),
+    ("runtime.gradient_checkpointing", "trainer.gradient_checkpointing", True),
+    ("runtime.fsdp", "trainer.fsdp_shard", True),
+    ("runtime.autocast", "data.hidden_states_dtype", "bfloat16"),
+])
+def test_a_key_speculators_groups_elsewhere_is_read_in_either_place(ours, theirs, value,
+                                                                    tmp_path):
+    configs = []
+    for name in (ours, theirs):
+        group, key = name.split(".")
+        path = tmp_path / f"{group}.yaml"
+        path.write_text(yaml.safe_dump({**REQUIRED, group: {key: value}}))
+        configs.append(load_config(TrainConfig, path, {}))
+    assert configs[0] == configs[1] != load_config(TrainConfig, None, REQUIRED)
