@@ -2,7 +2,8 @@
 
 A setting's metadata (:func:`~.common.settings.setting`) gives its flag, help, choices and
 shown default; its type gives how the text is read (``none`` clears an optional setting).
-``--config FILE.yaml`` gives any setting by its key; flags override the file.
+``--config FILE.yaml`` gives any setting by its key; flags override the file. ``--help``
+lists the options under a heading per config section (:class:`SectionedCommand`).
 :func:`config_argv` is the inverse: the command line that gives a command these values.
 """
 
