@@ -49,7 +49,7 @@ from speculators_peagle_plugin.common.devices import cpu_has_bfloat16, cpu_train
 from speculators_peagle_plugin.common.files import atomic_write_text
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.evaluation.report import provenance
-from speculators_peagle_plugin.options import config_argv
+from speculators_peagle_plugin.options import config_argv, file_with
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 
@@ -76,9 +76,8 @@ def parse_variant(tokens: list[str]) -> tuple[str, dict]:
 def _variant_yaml(demo: dict, overrides: dict, path: Path) -> Path:
     """The demo's YAML with the variant's overrides (bfloat16 autocast only where native,
     as the demo trains)."""
-    settings = yaml.safe_load(Path(demo["config"]).read_text())
-    settings.update(cpu_train_settings(cpu_has_bfloat16()))
-    settings.update(overrides)
+    settings = file_with(TrainConfig, yaml.safe_load(Path(demo["config"]).read_text()),
+                         {**cpu_train_settings(cpu_has_bfloat16()), **overrides})
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
     return path

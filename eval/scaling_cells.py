@@ -17,7 +17,7 @@ from speculators_peagle_plugin.common.devices import cpu_train_settings
 from speculators_peagle_plugin.common.files import METRICS_FILE, atomic_directory, atomic_write_text
 from speculators_peagle_plugin.demo.artifacts import RunLayout
 from speculators_peagle_plugin.demo.stages import STATE_FILE
-from speculators_peagle_plugin.options import config_argv
+from speculators_peagle_plugin.options import config_argv, file_with
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 PREFIX_FILE, PLAN_FILE = "prefix.json", "plan.json"
@@ -247,10 +247,9 @@ def train_yaml(config: Path, path: Path, native_bf16: bool) -> Path:
     """The recipe's training YAML for fixed-step runs, written to ``path``: no early stop
     (every cell trains exactly its steps), and float32 matmuls where the CPU multiplies
     bfloat16 only by emulation, as the demo trains."""
-    settings = yaml.safe_load(config.read_text())
-    settings.pop("early_stop_patience", None)
-    settings.pop("validation_data_path", None)
-    settings.update(cpu_train_settings(native_bf16))
+    settings = file_with(TrainConfig, yaml.safe_load(config.read_text()),
+                         cpu_train_settings(native_bf16),
+                         drop=("early_stop_patience", "validation_data_path"))
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
     return path

@@ -18,7 +18,7 @@ from .demo.pipeline import run_demo
 from .engine.vllm_launcher import run_vllm_cli
 from .evaluation.eval_config import EvalConfig
 from .evaluation.harness import evaluate
-from .options import config_command
+from .options import SectionedCommand, config_command
 from .selftest.command import selftest
 from .serving.check import CheckConfig, check_checkpoint
 from .serving.export import ExportConfig, export_checkpoint
@@ -34,6 +34,9 @@ __all__ = ["main"]
 @click.version_option(version("speculators-peagle-plugin"), prog_name="speculators-peagle")
 def main() -> None:
     """Train P-EAGLE speculative-decoding drafts and prove them in vLLM."""
+
+
+main.command_class = SectionedCommand  # each command's --help: a heading per config section
 
 
 main.add_command(selftest)

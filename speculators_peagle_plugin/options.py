@@ -2,7 +2,8 @@
 
 A setting's metadata (:func:`~.common.settings.setting`) gives its flag, help, choices and
 shown default; its type gives how the text is read (``none`` clears an optional setting).
-``--config FILE.yaml`` gives any setting by its key; flags override the file.
+``--config FILE.yaml`` gives any setting by its key; flags override the file. ``--help``
+lists the options under a heading per config section (:class:`SectionedCommand`).
 :func:`config_argv` is the inverse: the command line that gives a command these values.
 """
 
@@ -62,17 +63,49 @@ def check_output_paths(config) -> None:
 
 class SettingOption(click.Option):
     """A setting's option. A required setting is checked by its config (``--config`` may
-    give it), so click only marks it in the help."""
+    give it), so click only marks it in the help; ``section``: the config section that holds
+    it (None: the config's own), its heading in the help."""
 
-    def __init__(self, *args, setting_required: bool = False, **kwargs):
+    def __init__(self, *args, setting_required: bool = False, section: str | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.setting_required = setting_required
+        self.section = section
 
     def get_help_extra(self, ctx):
         extra = super().get_help_extra(ctx)
         if self.setting_required:
             extra["required"] = "required"
         return extra
+
+
+def section_of(leaf: Leaf) -> str | None:
+    """The section of its config that holds ``leaf`` (the YAML group of its key); None for
+    the config's own settings."""
+    return leaf.path[0] if len(leaf.path) > 1 else None
+
+
+def section_heading(section: str | None) -> str:
+    """The help's heading of a section's options: ``optimizer options`` (the YAML group that
+    may hold its keys); ``Options`` for the config's own settings, ``--config`` and
+    ``--help``."""
+    return "Options" if section is None else f"{section} options"
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options under a heading per config section, in
+    the order the config declares them, its own settings first."""
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str | None, list] = {None: []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and not isinstance(param, click.Argument):
+                groups.setdefault(getattr(param, "section", None), []).append(record)
+        for section, records in groups.items():
+            if records:
+                with formatter.section(section_heading(section)):
+                    formatter.write_dl(records)
 
 
 def _base(hint):
@@ -99,7 +132,8 @@ def _decorator(leaf: Leaf, repr_defaults: bool):
     else:
         kwargs["metavar"] = "INTS" if get_origin(base) is tuple else _METAVARS[base]
     return click.option(*decls, leaf.key, cls=SettingOption, default=None,
-                        setting_required=leaf.default is MISSING, **kwargs)
+                        setting_required=leaf.default is MISSING, section=section_of(leaf),
+                        **kwargs)
 
 
 def _value(leaf: Leaf, given):
@@ -142,12 +176,38 @@ def load_config(cls, config_file: str | Path | None, flags: dict):
     return build(cls, {**values, **given_values(cls, flags)}, config_file)
 
 
+def file_with(cls, mapping: Mapping, values: Mapping[str, Any], drop=()) -> dict:
+    """A config file's ``mapping`` (flat or grouped) with ``values`` (``{flat key: value}``)
+    set and the keys ``drop`` left out, each where the file writes it: flat if the file has
+    it flat, else under its section if the file has that section, else flat at the end. So a
+    file changed by a tool keeps its shape, and each key is written once.
+
+    Example: ``file_with(TrainConfig, {"runtime": {"autocast": "bfloat16"}}, {"autocast":
+    "none", "lr": 0.01})`` -> ``{"runtime": {"autocast": "none"}, "lr": 0.01}``.
+    """
+    by_key = {leaf.key: leaf for leaf in leaves(cls)}
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}
+    for key in [*values, *drop]:
+        section = section_of(by_key[key]) if key in by_key else None
+        flat = key in out and not (key == section and isinstance(out[key], dict))
+        group = out.get(section) if not flat and isinstance(out.get(section), dict) else out
+        if key in values:
+            group[key] = values[key]
+        else:
+            group.pop(key, None)
+            if group is not out and not group:
+                del out[section]
+    return out
+
+
 def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_FLAG,
                    file_help: str = "YAML file of option: value (flags override it).",
                    load=None):
     """The decorated ``fn(config)`` as a command whose options are ``cls``'s settings: it
     parses them, builds the config (``load(file, given values)`` when the command reads its
-    file its own way), checks its output paths and runs ``fn`` under :func:`user_errors`."""
+    file its own way), checks its output paths and runs ``fn`` under :func:`user_errors`.
+    ``fn`` keeps ``cls`` as ``config_class`` (docs/config.md lists every command's); a
+    :class:`SectionedCommand` heads its options by section."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -162,6 +222,7 @@ def config_command(cls, *, repr_defaults: bool = False, file_flag: str = CONFIG_
 
         for leaf in reversed([leaf for leaf in leaves(cls) if leaf.has_flag]):
             command = _decorator(leaf, repr_defaults)(command)
+        command.config_class = cls
         file_option = click.option(file_flag, "config_file", type=click.Path(dir_okay=False),
                                    default=None, help=file_help)
         return file_option(command)

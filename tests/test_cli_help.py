@@ -6,7 +6,8 @@ tests/test_cli_help.py``, or add a new flag's line by hand, only when a flag is 
 change): each option keeps its names, choices, the default its help
 shows and its required mark (a metavar such as ``INT`` or ``INTEGER`` may change). A
 command may gain ``--config`` (a YAML of its settings) and the group may gain commands;
-nothing else may appear or go.
+nothing else may appear or go. Where they are listed may change: under ``Options``, or
+under the heading of the config section that holds them (``optimizer options``).
 """
 
 import re
@@ -17,6 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.common.settings import leaves
+from speculators_peagle_plugin.options import section_heading, section_of
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_help.txt"
 COMMANDS = [
@@ -44,16 +47,31 @@ def golden() -> dict[str, str]:
     return {name.strip(): text for name, text in zip(parts[::2], parts[1::2], strict=True)}
 
 
+def headings(text: str) -> list[tuple[str, list[str]]]:
+    """``[(heading, its lines)]`` of one ``--help`` text: ``Options``, a config section's
+    (``optimizer options``), ``Commands``."""
+    found: list[tuple[str, list[str]]] = []
+    for line in text.split("\n\n", 1)[1].splitlines():  # after the usage line
+        if re.match(r"^\S.*:$", line):
+            found.append((line[:-1], []))
+        elif found and line.strip():
+            found[-1][1].append(line)
+    return found
+
+
 def options(text: str) -> dict[tuple[str, ...], tuple[str | None, bool, str | None]]:
-    """``{option names: (default shown, required, choices)}`` of one ``--help`` text."""
-    section = text.split("\nOptions:\n", 1)[1].split("\nCommands:\n", 1)[0]
+    """``{option names: (default shown, required, choices)}`` of one ``--help`` text, every
+    heading's options together."""
     entries: list[list[str]] = []
-    for line in section.splitlines():
-        if re.match(r"^  -", line):
-            decl, _, help_text = line.strip().partition("  ")
-            entries.append([decl, help_text])
-        elif entries:
-            entries[-1][1] += " " + line.strip()
+    for heading, lines in headings(text):
+        if not heading.endswith("ptions"):
+            continue
+        for line in lines:
+            if re.match(r"^  -", line):
+                decl, _, help_text = line.strip().partition("  ")
+                entries.append([decl, help_text])
+            elif entries:
+                entries[-1][1] += " " + line.strip()
     found = {}
     for decl, help_text in entries:
         defaults = re.findall(r"\[default: ([^\]]*)\]", help_text)
@@ -82,6 +100,27 @@ def test_options_keep_their_names_and_defaults(command):
     before, now = options(golden()[command]), options(render(command))
     assert {k: v for k, v in now.items() if k not in before and k not in ADDED_OPTIONS} == {}
     assert {k: v for k, v in before.items() if now.get(k) != v} == {}
+
+
+CONFIGS = {name: cmd.callback.config_class for name, cmd in main.commands.items()
+           if hasattr(cmd.callback, "config_class")}
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_each_option_sits_under_its_sections_heading(command):
+    """Options first (the config's own settings, --config, --help), then a heading per
+    section of the config in its order: the YAML group that may hold those keys."""
+    settings = [leaf for leaf in leaves(CONFIGS[command]) if leaf.has_flag]
+    found = {}
+    for heading, lines in headings(render(command)):
+        for line in lines:
+            found.update({name: heading for name in re.findall(r"^  (?:-\w, )?(--[\w-]+)", line)})
+    flags = [leaf for leaf in settings if leaf.flag.startswith("--")]
+    assert {leaf.flag: found.get(leaf.flag) for leaf in flags} == {
+        leaf.flag: section_heading(section_of(leaf)) for leaf in flags}
+    order = [heading for heading, _ in headings(render(command)) if heading != "Commands"]
+    sections = dict.fromkeys([None, *(section_of(leaf) for leaf in settings)])
+    assert order == list(map(section_heading, sections))
 
 
 def test_no_command_goes():

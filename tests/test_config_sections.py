@@ -11,7 +11,7 @@ from speculators_peagle_plugin.common.settings import leaves
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.demo.demo_config import DemoConfig
 from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
-from speculators_peagle_plugin.options import load_config
+from speculators_peagle_plugin.options import file_with, load_config
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 REQUIRED = "verifier_name_or_path: /m\ndata_path: /d\n"
@@ -91,3 +91,18 @@ def test_every_command_reads_config(tmp_path):
     path.write_text("num_depth: 3\n")
     result = CliRunner().invoke(main, ["check", "--config", str(path), "ckpt"])
     assert result.exit_code == 1 and "Unknown key 'num_depth' in" in result.output
+
+
+def test_a_tool_changes_a_file_in_its_own_shape():
+    """file_with: each key set or dropped where the file writes it, flat or grouped; a key
+    the file lacks goes under its section where the file has that section."""
+    grouped = {"online": {"online": True}, "runtime": {"autocast": "bfloat16"},
+               "trainer": {"early_stop_patience": 2}, "seed": 1}
+    changed = file_with(TrainConfig, grouped, {"autocast": "none", "online": False, "lr": 0.5,
+                                               "seed": 2}, drop=("early_stop_patience",))
+    assert changed == {"online": {"online": False}, "runtime": {"autocast": "none"},
+                       "seed": 2, "lr": 0.5}
+    assert grouped["runtime"] == {"autocast": "bfloat16"}  # the file's mapping is untouched
+    flat = {"online": True, "autocast": "bfloat16", "runtime": {"dtype": "float32"}}
+    assert file_with(TrainConfig, flat, {"online": False, "autocast": "none", "device": "cpu"}) \
+        == {"online": False, "autocast": "none", "runtime": {"dtype": "float32", "device": "cpu"}}

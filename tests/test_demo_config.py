@@ -1,10 +1,12 @@
 """The demo's settings: its config, its recipes and the one-sentence refusals of both
 (demo/demo_config.py; the pipeline that runs them is test_demo.py's)."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from speculators_peagle_plugin.cli import main
@@ -41,6 +43,20 @@ def test_demo_config_rejects_bad_generation_settings(overrides, sentence):
 def test_every_shipped_recipe_is_valid(recipe):
     config = demo.DemoConfig.from_recipe(recipe)
     assert Path(config.train_config).is_file()
+
+
+def test_the_long_recipe_is_grouped_and_gives_what_its_flat_form_gave(tmp_path):
+    """The replies' and the eval's keys under their sections; the same demo as the flat
+    recipe (tests/golden/flat_configs.json) gave."""
+    grouped = yaml.safe_load(RECIPE.read_text())
+    assert set(grouped["replies"]) == {"num_samples", "temperature", "max_new_tokens"}
+    assert all(key.startswith("eval_") for key in grouped["sweep"])
+    flat = json.loads((Path(__file__).parent / "golden" / "flat_configs.json").read_text())[
+        "recipes/long_smollm2.yaml"]
+    flat["train_config"] = str(RECIPE.parent / flat["train_config"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(flat))
+    from_flat = demo.DemoConfig.from_recipe(tmp_path / "flat.yaml")
+    assert from_flat == demo.DemoConfig.from_recipe(RECIPE)
 
 
 def test_the_long_recipe_trains_on_ten_times_the_demos_prompts_none_held_out():

@@ -1,13 +1,15 @@
 """TrainConfig: one default per field, YAML < flags, one-sentence errors."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from speculators_peagle_plugin.common.settings import leaves
 from speculators_peagle_plugin.core.peagle_config import CODConfig
-from speculators_peagle_plugin.options import load_config
+from speculators_peagle_plugin.options import load_config, section_of
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -33,11 +35,35 @@ def test_every_shipped_config_is_valid(path):
 def test_shipped_configs_cover_the_demo_llama_qwen_and_long_context():
     names = {p.stem for p in CONFIGS}
     assert {"demo_smollm2", "llama3_1_8b", "qwen3_8b", "long_context"} <= names
+    shipped = {p.stem: build_train_config(str(p), no_flags(**REQUIRED)) for p in CONFIGS}
     for name in ("llama3_1_8b", "qwen3_8b"):
-        data = yaml.safe_load((Path(__file__).parent.parent / "configs" / f"{name}.yaml").open())
-        assert data["num_layers"] == 4 and data["num_depths"] == 8
-    long = yaml.safe_load((Path(__file__).parent.parent / "configs" / "long_context.yaml").open())
-    assert long["sequence_partitions"] > 1
+        assert shipped[name].draft.num_layers == 4 and shipped[name].peagle.num_depths == 8
+    assert shipped["long_context"].peagle.sequence_partitions > 1
+
+
+# The shipped configs as they were written flat, before they were grouped in sections (a
+# config changed on purpose changes here too).
+FLAT = json.loads((Path(__file__).parent / "golden" / "flat_configs.json").read_text())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_is_grouped_and_gives_what_its_flat_form_gave(path, tmp_path):
+    """Each key sits under the section that owns it (the root's own at the root), and the
+    file loads to exactly the config its flat form loaded to: the same training."""
+    by_key = {leaf.key: leaf for leaf in leaves(TrainConfig)}
+    placed = {}
+    for key, value in yaml.safe_load(path.read_text()).items():
+        if isinstance(value, dict):
+            placed.update({sub: key for sub in value})
+        else:
+            placed[key] = None
+    assert placed == {key: section_of(by_key[key]) for key in placed}
+    assert any(placed.values())
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(yaml.safe_dump(FLAT[path.name]))
+    assert sorted(placed) == sorted(FLAT[path.name])
+    given = no_flags(**REQUIRED)
+    assert build_train_config(str(path), given) == build_train_config(str(flat), given)
 
 
 def test_precedence_defaults_then_file_then_flags(tmp_path):

@@ -145,6 +145,7 @@ class DemoConfig(Settings):
             path = Path(recipe)
             values = dict(read_yaml_mapping(path))
             known = [leaf.key for leaf in leaves(cls)]
+            known += dict.fromkeys(leaf.path[0] for leaf in leaves(cls) if len(leaf.path) > 1)
             unknown = sorted(set(values) - set(known))
             if unknown:
                 raise UserError(

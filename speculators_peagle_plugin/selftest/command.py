@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import torch
 
-from ..options import config_command
+from ..options import SectionedCommand, config_command
 from .selftest_config import Options, SelftestConfig
 from .selftest_report import FAIL, PASS, SKIP, Check, as_dicts, stack, stack_lines, write_record
 from .shapes import SHAPES
@@ -172,7 +172,7 @@ def run_selftest(options: Options, echo=click.echo) -> dict:
     return record
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
 @config_command(SelftestConfig)
 def selftest(config: SelftestConfig) -> None:
     """Check the kernels and the training step on this machine; exit 1 on any FAIL."""
