@@ -20,10 +20,11 @@ from speculators.train.config.artifacts import dump_yaml
 from speculators.train.config.schema import TrainConfig as SpeculatorsConfig
 from speculators.train.optimizers import split_named_params_for_muon
 
+from speculators_peagle_plugin.common import devices
 from speculators_peagle_plugin.common.reading import load_plain_torch
 from speculators_peagle_plugin.training.checkpoint import STATE_FILE, checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
-from speculators_peagle_plugin.training.optim import muon_split
+from speculators_peagle_plugin.training.optim import muon_split, newton_schulz
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 MUON_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
@@ -63,6 +64,7 @@ def test_two_steps_are_torch_muon_on_the_matrices_and_adamw_on_the_rest(workdir,
             "muon_momentum": 0.9, "muon_weight_decay": 0.2, "muon_ns_steps": 3,
             "muon_adjust_lr_fn": "original"}
     setup = build_training(config_for(workdir, tmp_path, max_steps=2, **mine))
+    setup.optimizers[0].ns_dtype = torch.bfloat16  # torch's, whatever this CPU would pick
     params = dict(setup.draft.named_parameters())
     muon_names, adamw_names = (names(p) for p in split_named_params_for_muon(setup.draft))
     copies = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
@@ -91,6 +93,40 @@ def test_two_steps_are_torch_muon_on_the_matrices_and_adamw_on_the_rest(workdir,
         moved = params[name].detach()
         assert not torch.equal(moved, initial[name]), name
         torch.testing.assert_close(moved, copies[name].detach(), msg=name)
+
+
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_newton_schulz_in_bfloat16_is_torchs_and_in_float32_the_float64_iteration(seed):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    gen = torch.Generator().manual_seed(seed)
+    for shape in [(37, 11), (11, 37), (24, 24)]:  # tall, wide, square
+        grad = torch.randn(shape, generator=gen)
+        kept = grad.clone()
+        theirs = _zeropower_via_newtonschulz(grad, COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(newton_schulz(grad, COEFFICIENTS, 5, 1e-7), theirs)
+        single = newton_schulz(grad, COEFFICIENTS, 5, 1e-7, torch.float32)
+        double = newton_schulz(grad.double(), COEFFICIENTS, 5, 1e-7, torch.float64)
+        assert single.dtype == torch.float32 and single.shape == shape
+        torch.testing.assert_close(single.double(), double, rtol=1e-4, atol=1e-5)
+        # orthogonalized: singular values near 1 (the quintic leaves them in about 0.5-1.5)
+        values = torch.linalg.svdvals(double)
+        assert values.min() > 0.3 and values.max() < 1.5, values
+        assert torch.equal(grad, kept)  # the momentum buffer it reads stays as it was
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_muon_iterates_in_float32_on_a_cpu_that_emulates_bfloat16(workdir, tmp_path,
+                                                                  monkeypatch, native):
+    monkeypatch.setattr(devices, "cpu_has_bfloat16", lambda: native)
+    setup = build_training(config_for(workdir, tmp_path, optimizer="muon", max_steps=1))
+    want = torch.bfloat16 if native else torch.float32
+    assert setup.optimizers[0].ns_dtype == want
+    assert devices.low_precision_dtype(torch.device("cpu")) == want
+    assert devices.low_precision_dtype(torch.device("meta")) == torch.bfloat16  # not a CPU
 
 
 def test_muon_lr_falls_back_to_lr(workdir, tmp_path):
@@ -226,7 +262,8 @@ def test_a_muon_run_killed_at_random_points_resumes_to_the_same_weights(workdir,
     kills = 5
     with Forker() as forker:
         # the faster of two whole runs sets the clock (a first run on a loaded machine can
-        # take many times longer); kills fall after a checkpoint, before its end
+        # take many times longer); each kill falls a seeded time after the run's first
+        # checkpoint appears, within its remaining run
         runs = []
         for name in ("whole", "again"):
             run = forker.run(muon_args(workdir, tmp_path / name, *steps), tmp_path / "w.log")
@@ -236,9 +273,10 @@ def test_a_muon_run_killed_at_random_points_resumes_to_the_same_weights(workdir,
         seconds, first = min(runs)
         want = weights_and_optimizer(tmp_path / "whole" / "checkpoint-8")[:2]
         resumed = 0
-        for i, at in enumerate(kill_times(60, kills, seconds, start=first)):
+        for i, at in enumerate(kill_times(60, kills, seconds - first)):
             save, log = tmp_path / f"killed-{i}", tmp_path / f"{i}.log"
-            killed = forker.run(muon_args(workdir, save, *steps), log, kill_after=at)["killed"]
+            killed = forker.run(muon_args(workdir, save, *steps), log, kill_after=at,
+                                once=save / "checkpoint-1")["killed"]
             resumed += killed and bool(checkpoint_dirs(save))  # the rerun resumes mid-run
             rerun = forker.run(muon_args(workdir, save, *steps), log)
             assert rerun["rc"] == 0, log.read_text()[-3000:]

@@ -32,6 +32,15 @@ def cpu_has_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def low_precision_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of matmuls that need not be exact (Muon's Newton-Schulz iteration): bfloat16,
+    but float32 on a CPU without native bfloat16, where bfloat16 matmuls are emulated and many
+    times slower than float32 ones."""
+    if device.type == "cpu" and not cpu_has_bfloat16():
+        return torch.float32
+    return torch.bfloat16
+
+
 def cpu_train_settings(native_bf16: bool) -> dict[str, str]:
     """The training settings a CPU without native bfloat16 overrides: ``{"autocast":
     "none"}`` (emulated bfloat16 matmuls are slower than float32 ones); none where native."""

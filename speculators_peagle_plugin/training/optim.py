@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.devices import low_precision_dtype
 from ..common.errors import UserError
 from ..common.settings import (
     check_choices,
@@ -125,24 +126,47 @@ def muon_split(named_parameters) -> tuple[list[tuple], list[tuple]]:
     return muon, adamw
 
 
+def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch's Muon orthogonalization (``torch.optim._muon._zeropower_via_newtonschulz``, the
+    same operations) in ``dtype``; torch's is always bfloat16.
+
+    Args:
+        grad: ``[m, n]``, left unchanged; the result is ``[m, n]`` in ``dtype``.
+        coefficients: ``(a, b, c)`` of the quintic step ``X <- aX + (bA + cA^2)X``, ``A = XX^T``.
+    """
+    a, b, c = coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.to(dtype, copy=True)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 class Muon(torch.optim.Muon):
-    """``torch.optim.Muon``, whose Newton-Schulz step sees each matrix whole under FSDP2.
+    """``torch.optim.Muon`` with its Newton-Schulz iteration in ``ns_dtype`` (torch's:
+    bfloat16; :func:`..common.devices.low_precision_dtype` picks float32 on a CPU that
+    emulates bfloat16), and seeing each matrix whole under FSDP2.
 
     FSDP2 holds a weight, its gradient and its momentum as row shards (DTensors). Muon
     orthogonalizes the whole matrix, so here each rank gathers the momentum-corrected
     update, orthogonalizes it (every rank the same) and applies its own rows: the update one
     process makes. torch's step on the shards themselves gives another update
-    (tests/test_loop.py compares two FSDP2 ranks with one process). Unsharded weights take
-    torch's step unchanged.
+    (tests/test_loop.py compares two FSDP2 ranks with one process).
     """
+
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
         from torch.distributed.tensor import DTensor, Replicate
-
-        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+        from torch.optim._muon import _adjust_lr
 
         loss = None
         if closure is not None:
@@ -157,17 +181,19 @@ class Muon(torch.optim.Muon):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
-                # torch's _single_tensor_muon, with the orthogonalization on the whole matrix
+                # torch's _single_tensor_muon, the orthogonalization on the whole matrix
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                whole = _zeropower_via_newtonschulz(
-                    update.full_tensor(), group["ns_coefficients"], group["ns_steps"],
-                    group["eps"],
-                )
-                rows = DTensor.from_local(whole, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+                sharded = isinstance(update, DTensor)
+                ortho = newton_schulz(update.full_tensor() if sharded else update,
+                                      group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                      self.ns_dtype)
+                if sharded:
+                    ortho = DTensor.from_local(
+                        ortho, p.device_mesh, [Replicate()] * p.device_mesh.ndim
+                    ).redistribute(p.device_mesh, p.placements)
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(rows.redistribute(p.device_mesh, p.placements),
-                       alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
 
@@ -236,7 +262,7 @@ def build_optimizers(named_parameters, config: OptimizerConfig) -> Optimizers:
         parts.append(Muon(
             [p for _, p in muon], lr=config.resolved_muon_lr, momentum=config.muon_momentum,
             weight_decay=config.muon_weight_decay, ns_steps=config.muon_ns_steps,
-            adjust_lr_fn=config.muon_adjust_lr_fn,
+            adjust_lr_fn=config.muon_adjust_lr_fn, ns_dtype=low_precision_dtype(muon[0][1].device),
         ))
     if adamw:
         parts.append(_adamw([p for _, p in adamw], config))

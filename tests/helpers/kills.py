@@ -40,12 +40,11 @@ LIMIT_S = 300.0  # a run that has not ended by then is killed (and reported as k
 LATEST = 0.75
 
 
-def kill_times(seed: int, n: int, seconds: float, start: float = 0.0) -> list[float]:
-    """``n`` points of time in ``(start, start + LATEST * (seconds - start))``, drawn
-    uniformly by ``random.Random(seed)``; ``start``: where the part worth killing begins
-    (e.g. :func:`seconds_until`'s first checkpoint)."""
+def kill_times(seed: int, n: int, seconds: float) -> list[float]:
+    """``n`` points of time in ``(0, LATEST * seconds)``, drawn uniformly by
+    ``random.Random(seed)``."""
     rng = random.Random(seed)
-    return [rng.uniform(start, start + LATEST * (seconds - start)) for _ in range(n)]
+    return [rng.uniform(0.0, LATEST * seconds) for _ in range(n)]
 
 
 def seconds_until(path: Path, run: dict, ended: float) -> float:
@@ -67,14 +66,15 @@ class Forker:
         assert self.proc.stdout.readline().strip() == "ready"
 
     def run(self, args: list[str], log: Path, kill_after: float | None = None,
-            setup: tuple[str, ...] = ()) -> dict:
+            setup: tuple[str, ...] = (), once: Path | None = None) -> dict:
         """``{"rc", "killed", "seconds"}`` of ``speculators-peagle ARGS`` (rc -9: killed).
 
         ``setup``: ``("module:function", *args)`` that the child calls first (a module
-        under ``tests/``), e.g. to put tiny stand-ins in place.
+        under ``tests/``), e.g. to put tiny stand-ins in place. ``once``: ``kill_after``
+        counts from when this path exists (e.g. a first checkpoint), not from the fork.
         """
         request = {"args": [str(a) for a in args], "log": str(log), "kill_after": kill_after,
-                   "setup": [str(a) for a in setup]}
+                   "setup": [str(a) for a in setup], "once": str(once) if once else None}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
@@ -135,12 +135,17 @@ def _serve() -> None:
         if pid == 0:
             _child(request)
         killed, status = False, None
-        deadline = began + (LIMIT_S if request["kill_after"] is None else request["kill_after"])
+        limit = began + LIMIT_S
+        waits = request["once"] is not None and request["kill_after"] is not None
+        deadline = limit if request["kill_after"] is None or waits else (
+            began + request["kill_after"])
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)
+            if waits and os.path.exists(request["once"]):
+                deadline, waits = time.monotonic() + request["kill_after"], False
             if done:
                 status = raw
-            elif time.monotonic() >= deadline:
+            elif time.monotonic() >= min(deadline, limit):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                     killed = True
