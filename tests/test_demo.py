@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from speculators_peagle_plugin.demo import pipeline as demo
-from speculators_peagle_plugin.serving.model_card import CARD_FILE, read_card, write_model_card
+from speculators_peagle_plugin.model.model_card import CARD_FILE, read_card, write_model_card
 
 # ----------------------------------------------------------------- pipeline.py stages
 

@@ -69,11 +69,29 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
     as the help shows it; None: not shown; absent: the default itself), ``output`` (a
     directory the command writes, checked before it starts: True, or the key of the setting
     without which it is not written).
+
+    A setting's roles beyond its flag are metadata too, read where the role matters (see
+    :func:`keys_with`): ``resumable`` (may change when a run resumes from a checkpoint: how
+    long, how often, where to, not what is learnt), ``path`` (a local path: compared
+    resolved, so that two spellings of one directory agree), ``prompts`` (a prompt-set spec,
+    whose sources are compared resolved), ``card`` (stated on the model card; an eval
+    setting: in the card's eval entries), ``engine`` (a setting of the engines a command
+    starts, which a running server has of its own).
     """
     metadata = {"help": help, **meta}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def keys_with(cls, role: str) -> tuple[str, ...]:
+    """The flat keys of the settings of config class ``cls`` whose metadata marks ``role``
+    (:func:`setting`), in declaration order.
+
+    Example: ``keys_with(TrainConfig, "path")`` -> ``("verifier_name_or_path", "data_path",
+    "from_pretrained")``.
+    """
+    return tuple(leaf.key for leaf in leaves(cls) if leaf.field.metadata.get(role))
 
 
 def section(cls, *, factory=None, keys=None, prefix: str = "", hidden=(), help_prefix: str = "",

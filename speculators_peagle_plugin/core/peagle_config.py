@@ -23,9 +23,9 @@ class CODConfig:
         max_anchors: optional cap on how many chains may start (speculators' knob).
     """
 
-    num_depths: int = setting(8, "Parallel depths trained (COD depths).")
-    down_sample_ratio: float = setting(0.7, "COD decay ratio r.")
-    down_sample_ratio_min: float = setting(0.2, "COD floor r_min.")
+    num_depths: int = setting(8, "Parallel depths trained (COD depths).", card=True)
+    down_sample_ratio: float = setting(0.7, "COD decay ratio r.", card=True)
+    down_sample_ratio_min: float = setting(0.2, "COD floor r_min.", card=True)
     max_anchors: int | None = setting(None, "Cap on COD chain starts per row.")
 
     def __post_init__(self) -> None:
@@ -54,7 +54,9 @@ class PEagleConfig(CODConfig):
         greedy_chains: draw the rollouts of depths >= 1 only along the target's greedy path.
     """
 
-    sequence_partitions: int = setting(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
+    sequence_partitions: int = setting(
+        1, "Segments per row (P-EAGLE Algorithm 1); exact.", card=True
+    )
     greedy_chains: bool = setting(
         False,
         "Draw the COD rollouts that train depths >= 1 only along the target's greedy path "

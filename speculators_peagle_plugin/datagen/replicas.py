@@ -32,9 +32,9 @@ from ..data.layout import (
     hs_path,
 )
 from ..engine.vllm_client import CPU_KV_CACHE_GB
-from .build_data import check_storage, open_output
 from .datagen_config import DataGenConfig
 from .join import join_parts
+from .output import check_storage, open_output
 from .shard_plan import piece_size
 
 logger = logging.getLogger(__name__)

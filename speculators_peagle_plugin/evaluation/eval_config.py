@@ -18,7 +18,7 @@ from ..common.errors import UserError
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
 from ..engine.vllm_client import CPU_KV_CACHE_GB
-from ..serving.model_card import check_base_model
+from ..model.model_card import check_base_model
 
 BACKENDS = ("vllm", "reference")
 # Settings of the drafts and engines eval starts: a running server decodes with its own.

@@ -49,6 +49,7 @@ from .progress import (
     reduce_record,
     trim_metrics_log,
 )
+from .provenance import how_it_was_made
 from .run_data import RunData, open_run_data
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
@@ -325,7 +326,7 @@ def _run_steps(setup: TrainingSetup, save_path: Path, start: int, saved: Path | 
                 saved = save_checkpoint(
                     save_path, done, wrapped=setup.wrapped, draft=setup.draft,
                     optimizers=setup.optimizers, schedulers=setup.schedulers,
-                    config=config, world=world,
+                    config=config, world=world, made=how_it_was_made(config, done),
                 )
                 if validation is not None and not stop_now:
                     stop_early = validation.score(saved, done, done / len(setup.batches))

@@ -28,7 +28,9 @@ class LoggingConfig:
     metric trackers that get it too (speculators' ``logger`` / ``log_dir`` / ``run_name``,
     through its :func:`speculators.train.logger.setup_metric_logger`; see :mod:`.trackers`)."""
 
-    log_freq: int = setting(1, "Write the metrics log (and the trackers) every N steps.")
+    log_freq: int = setting(
+        1, "Write the metrics log (and the trackers) every N steps.", resumable=True
+    )
     logger: str = setting(
         "", "Metric trackers as well as SAVE/metrics.jsonl, comma-separated: tensorboard, "
         "wandb, trackio, mlflow (speculators' loggers; each needs its package).", show=None,

@@ -65,7 +65,9 @@ class TrainConfig(Settings):
     optimizer: OptimizerConfig = section(OptimizerConfig)
     scheduler: SchedulerConfig = section(SchedulerConfig)
     logging: LoggingConfig = section(LoggingConfig)
-    seed: int = setting(42, "Seed for initialisation, data order and COD sampling.")
+    seed: int = setting(
+        42, "Seed for initialisation, data order and COD sampling.", card=True
+    )
     runtime: RuntimeConfig = section(RuntimeConfig)
 
     @classmethod

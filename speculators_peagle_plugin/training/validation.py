@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
-from ..serving.model_card import read_card, write_model_card
+from ..model.model_card import read_card, write_model_card
 from . import heldout
 from .checkpoint import STATE_FILE
 from .distributed import World
