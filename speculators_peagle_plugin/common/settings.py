@@ -95,16 +95,19 @@ def keys_with(cls, role: str) -> tuple[str, ...]:
 
 
 def section(cls, *, factory=None, keys=None, prefix: str = "", hidden=(), help_prefix: str = "",
-            flags: bool = True):
+            flags: bool = True, says=None):
     """A field holding the config section ``cls`` (default: ``factory()``, else ``cls()``).
 
     ``keys`` / ``prefix`` rename the section's settings for the config that holds it (a
     setting's key is ``keys[name]``, else ``prefix + name``); ``hidden`` settings keep
     their defaults and are neither flags nor keys there; ``help_prefix`` heads their help;
-    ``flags=False``: its settings are keys only, not flags.
+    ``flags=False``: its settings are keys only, not flags; ``says``: ``{name: {metadata
+    key: value}}``, what a setting's help and shown default say in this config (``help``,
+    ``show``) where it means more there (example: eval's KV cache is shared by its engines).
     """
     meta = {"section": cls, "keys": dict(keys or {}), "prefix": prefix,
-            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags}
+            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags,
+            "says": {name: dict(said) for name, said in (says or {}).items()}}
     return field(default_factory=factory or cls, metadata=meta)
 
 
@@ -154,6 +157,10 @@ def leaves(cls, *, _base=None) -> list[Leaf]:
             if name in meta["hidden"]:
                 continue
             key = meta["keys"].get(name, meta["prefix"] + leaf.key)
+            said = meta["says"].get(name) if len(leaf.path) == 1 else None
+            if said:
+                leaf = dataclasses.replace(leaf, field=_saying(leaf.field, said),
+                                           help=said.get("help", leaf.help))
             text = leaf.help
             if meta["help_prefix"] and text:
                 text = meta["help_prefix"] + text[0].lower() + text[1:]
@@ -162,6 +169,14 @@ def leaves(cls, *, _base=None) -> list[Leaf]:
                 is_flag=leaf.is_flag and meta["flags"],
             ))
     return found
+
+
+def _saying(f: dataclasses.Field, said: Mapping) -> dataclasses.Field:
+    """A copy of the setting ``f`` whose metadata has ``said``'s keys instead."""
+    copy = field(default=f.default, default_factory=f.default_factory,
+                 metadata={**f.metadata, **said})
+    copy.name, copy.type = f.name, f.type
+    return copy
 
 
 def _coerce(name: str, value, hint):

@@ -23,6 +23,7 @@ from ..common.settings import (
 )
 from ..data.prompts import prompt_source_exists
 from ..data.storage import FLOAT8
+from ..engine.engine_config import EngineConfig
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 from .shard_plan import WHOLE, Shard
 
@@ -124,7 +125,9 @@ class DataGenConfig(Settings):
         shard: ``"I/N"``: make only part ``I`` (from 0) of ``N`` of the data, for the same
             command run on ``N`` machines; ``join-data`` joins the parts into the data one run
             makes. None = all of it.
-        kv_cache_gb: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = vLLM's default.
+        engine: the vLLM engines' settings (:class:`~..engine.engine_config.EngineConfig`):
+            ``kv_cache_gb``, the CPU KV cache of each replica's; None = vLLM's default (with
+            replicas on CPU: ``CPU_KV_CACHE_GB`` shared).
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
         max_samples: use only the first this many usable prompts.
@@ -175,8 +178,9 @@ class DataGenConfig(Settings):
         "join-data joins the parts.",
         show=None,
     )
-    kv_cache_gb: int | None = setting(
-        None, "vLLM's CPU KV cache in GiB (vllm backend; per replica)."
+    engine: EngineConfig = section(
+        EngineConfig, hidden=("max_model_len", "in_process"),
+        says={"kv_cache_gb": {"help": "vLLM's CPU KV cache in GiB (vllm backend; per replica)."}},
     )
     target_layer_ids: tuple[int, ...] | None = setting(
         None, "Aux layer ids, e.g. 2,15,27.", show="2,N//2,N-3"
@@ -220,7 +224,7 @@ class DataGenConfig(Settings):
             check_int_at_least(name, getattr(self, name), 1)
         if self.shard is not None:
             Shard.parse(self.shard)
-        check_optional_ints(self, {"kv_cache_gb": 1, "max_samples": 1})
+        check_optional_ints(self, {"max_samples": 1})
         check_int_at_least("seed", self.seed, 0)
         if self.hidden_states_from == "generation" and self.replies.backend != "vllm":
             raise UserError(
