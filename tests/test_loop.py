@@ -157,7 +157,7 @@ from speculators_peagle_plugin.training.train_config import TrainConfig
 from speculators_peagle_plugin.training.loop import train
 
 config = TrainConfig.from_sources(**json.loads(sys.argv[1]))
-save = config.trainer.save_path
+save = config.trainer.checkpoints.save_path
 # The caller's own group (its own store: a group re-made on the same store can read the
 # last one's stale addresses): train() leaves it alone.
 rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

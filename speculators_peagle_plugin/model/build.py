@@ -111,7 +111,7 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
 
     register_with_speculators()
     draft_config, verifier = config.draft, config.verifier.verifier_name_or_path
-    depths = config.peagle.num_depths
+    depths = config.peagle.cod.num_depths
     num_layers = draft_config.num_layers
     window = draft_config.sliding_window
     full = range(num_layers) if window is None else draft_config.full_attention_indices

@@ -21,9 +21,7 @@ from ..common.files import atomic_directory
 from ..common.paths import check_free_space, writing
 from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
 from ..common.settings import (
-    check_finite,
     check_int_at_least,
-    check_optional_ints,
     keys_with,
     leaves,
     setting,
@@ -44,37 +42,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """The ``trainer`` section: how long to train, where checkpoints go, what to resume."""
+class CheckpointConfig:
+    """Where checkpoints go, how many stay, and what a run resumes (the ``trainer`` group's
+    part that checkpointing reads)."""
 
     save_path: str = setting(
         "./checkpoints", "Directory for checkpoints and the metrics log.", output=True,
         resumable=True,
     )
-    epochs: int = setting(20, "Passes over the data.", resumable=True, card=True)
-    max_steps: int | None = setting(
-        None, "Stop after this many optimizer steps.", resumable=True, card=True
-    )
-    checkpoint_freq: float = setting(
-        1.0, "Checkpoint every N epochs (< 1: several times per epoch).", resumable=True
-    )
     keep_checkpoints: int = setting(
         2, "How many of the newest checkpoints to keep.", resumable=True
-    )
-    early_stop_patience: int | None = setting(
-        None,
-        "With validation (--validation-data-path or --train-data-ratio below 1): stop once "
-        "this many checkpoints in a row have not beaten the best estimated acceptance.",
-        resumable=True,
-    )
-    save_best: bool | None = setting(
-        None,
-        "With validation (--validation-data-path or --train-data-ratio below 1): keep the "
-        "checkpoint of the best estimated acceptance in SAVE/best and return it; false: "
-        "score every checkpoint but keep no copy, and return the last one. Default: on "
-        "whenever there is validation (speculators' default is false, and it ranks by "
-        "validation loss).",
-        show="on with validation",
     )
     no_resume_from_checkpoint: bool = setting(
         False, "Start fresh even if save_path holds a checkpoint.", switch=True, resumable=True
@@ -89,10 +66,7 @@ class TrainerConfig:
                 f"--save-path {self.save_path} is a file, not a directory; choose a new or "
                 "empty directory, or the save path of the run to resume."
             )
-        check_int_at_least("epochs", self.epochs, 1)
         check_int_at_least("keep_checkpoints", self.keep_checkpoints, 1)
-        check_optional_ints(self, {"max_steps": 1, "early_stop_patience": 1})
-        check_finite("checkpoint_freq", self.checkpoint_freq, 0)
 
 
 def checkpoint_dirs(save_path: Path) -> list[Path]:
@@ -197,7 +171,7 @@ def save_checkpoint(
                 "torch_rng": torch.get_rng_state(),
             }
             torch.save(state, tmp / STATE_FILE)
-        for old in checkpoint_dirs(save_path)[: -config.trainer.keep_checkpoints]:
+        for old in checkpoint_dirs(save_path)[: -config.trainer.checkpoints.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
@@ -220,7 +194,7 @@ def read_checkpoint(path: Path) -> ResumePoint:
     return ResumePoint(path, state, load_safetensors(path / "model.safetensors"))
 
 
-def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
+def _resume_point(config: CheckpointConfig, save_path: Path) -> ResumePoint | None:
     if config.resume:
         path = Path(config.resume)
         if not (path / STATE_FILE).exists():
@@ -250,7 +224,7 @@ def resume_point(config, save_path: Path, world: World) -> ResumePoint | None:
     (a damaged one is skipped with a warning). Its settings are checked against ``config``
     (the run's settings, a ``TrainConfig``: its ``trainer`` section says what to resume).
     """
-    point = _resume_point(config.trainer, save_path) if world.rank == 0 else None
+    point = _resume_point(config.trainer.checkpoints, save_path) if world.rank == 0 else None
     if world.distributed:
         holder = [str(point.path) if point else ""]
         dist.broadcast_object_list(holder, src=0)

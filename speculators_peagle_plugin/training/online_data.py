@@ -26,7 +26,7 @@ from .train_config import TrainConfig
 def online_data_path(config: TrainConfig) -> Path:
     """``--data-path``, or where ``--prompts`` keeps its replies."""
     if config.online.prompts:
-        return Path(config.trainer.save_path) / REPLIES_DIR
+        return Path(config.trainer.checkpoints.save_path) / REPLIES_DIR
     return Path(config.data.data_path)
 
 
@@ -82,7 +82,7 @@ def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingDa
     }
     cache = CacheSettings(
         online.online_cache, online.online_cache_gib * 2**30,
-        Path(config.trainer.save_path) / CACHE_DIR, key,
+        Path(config.trainer.checkpoints.save_path) / CACHE_DIR, key,
     )
     states = OnlineHiddenStates(model, layer_ids, cache)
     return open_training_data(
