@@ -1,12 +1,15 @@
 """A setting's role is metadata on the setting, and what reads the role reads the metadata:
 the resumption's comparison (``resumable``, ``path``, ``prompts``), the model card's recipe
-(``card``)."""
+(``card``), generate-data's record, eval's refusal of engine settings beside ``--server``
+(``engine``)."""
 
 from dataclasses import MISSING
 
 import pytest
 
 from speculators_peagle_plugin.common.settings import keys_with, leaves
+from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
+from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
 from speculators_peagle_plugin.training.checkpoint import changed_settings
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
@@ -36,6 +39,14 @@ def test_the_roles_mark_the_settings_the_key_lists_named():
                                               "from_pretrained")
     assert keys_with(TrainConfig, "prompts") == ("prompts",)
     assert set(keys_with(TrainConfig, "card")) == CARD_BEFORE
+    # generate-data's record leaves these out (datagen's old list), a running server has these
+    assert set(keys_with(DataGenConfig, "resumable")) == {
+        "output", "batch_size", "draft_vocab_size", "device", "kv_cache_gb", "data_parallel_size"
+    }
+    assert set(keys_with(EvalConfig, "engine")) == {
+        "drafts", "ks", "ks_at_max_concurrency", "backend", "baseline", "dtype", "max_model_len",
+        "kv_cache_gb", "in_process", "enforce_eager", "interleave",
+    }
 
 
 @pytest.mark.parametrize("key", sorted(RESUMABLE_BEFORE))

@@ -64,7 +64,7 @@ class ReplyConfig:
     max_new_tokens: int = setting(256, "Tokens per reply.")
     temperature: float = setting(0.0, "The replies' sampling temperature; 0 = greedy.")
     top_p: float = setting(1.0, "Nucleus mass when sampling.")
-    batch_size: int = setting(8, "Prompts generated together.")
+    batch_size: int = setting(8, "Prompts generated together.", resumable=True)
     num_samples: int = setting(1, "Replies per prompt (> 1 needs --temperature > 0).")
     backend: str = setting(
         "transformers",
@@ -140,7 +140,7 @@ class DataGenConfig(Settings):
         device: torch device of the target.
     """
 
-    target: str = setting(help="Local transformers target model directory.", show=None)
+    target: str = setting(help="Local transformers target model directory.", show=None, path=True)
     prompts: str = setting(
         help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt (first turns), "
         "sharegpt_turns (every user turn of each conversation, answered in order), mbpp, ..., "
@@ -148,8 +148,11 @@ class DataGenConfig(Settings):
         "reply) or a dataset saved with save_to_disk, optionally sliced like chat[100:]; a mix "
         "joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
+        prompts=True,
     )
-    output: str = setting(help="Output directory (resumed if it exists).", show=None, output=True)
+    output: str = setting(
+        help="Output directory (resumed if it exists).", show=None, output=True, resumable=True
+    )
     replies: ReplyConfig = section(ReplyConfig)
     hidden_states_from: str | None = setting(
         None,
@@ -171,6 +174,7 @@ class DataGenConfig(Settings):
         "Replicas on this machine, each making its part of the data: one per "
         "--tensor-parallel-size GPUs on CUDA, or CPU processes sharing the cores; joined into "
         "--output at the end.",
+        resumable=True,
     )
     shard: str | None = setting(
         None,
@@ -185,7 +189,9 @@ class DataGenConfig(Settings):
     target_layer_ids: tuple[int, ...] | None = setting(
         None, "Aux layer ids, e.g. 2,15,27.", show="2,N//2,N-3"
     )
-    draft_vocab_size: int = setting(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
+    draft_vocab_size: int = setting(
+        DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.", resumable=True
+    )
     max_samples: int | None = setting(None, "Use only the first N prompts.", show=None)
     contamination_guard: bool = setting(
         True,
@@ -199,7 +205,7 @@ class DataGenConfig(Settings):
     dtype: str = setting(
         "float32", "Target dtype, also the hidden states' dtype.", choices=DTYPE_NAMES
     )
-    device: str = setting("cpu", "Torch device of the target.")
+    device: str = setting("cpu", "Torch device of the target.", resumable=True)
 
     @property
     def capture_backend(self) -> str:

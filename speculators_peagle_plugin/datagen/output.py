@@ -16,6 +16,7 @@ from ..common.files import atomic_write, atomic_write_json, temporary_name
 from ..common.lock import LOCK_FILE, exclusive_directory
 from ..common.paths import writing
 from ..common.reading import read_json
+from ..common.settings import keys_with
 from ..data.layout import (
     HIDDEN_STATES_DIR,
     ROW_PROMPTS_FILE,
@@ -58,18 +59,18 @@ def _settings(config: DataGenConfig, model_config) -> dict:
             f"size {text_config.vocab_size}."
         )
     settings = config.to_dict()
+    for key in keys_with(DataGenConfig, "resumable"):
+        del settings[key]  # free to change between a run and its resume
+    for key in keys_with(DataGenConfig, "path"):  # the same directory, however spelled
+        settings[key] = str(Path(settings[key]).resolve())
+    for key in keys_with(DataGenConfig, "prompts"):
+        settings[key] = resolved_spec(settings[key])
     settings.update(
-        target=str(Path(config.target).resolve()),
-        prompts=resolved_spec(config.prompts),
         target_layer_ids=list(layer_ids),
         target_vocab_size=text_config.vocab_size,
         target_hidden_size=text_config.hidden_size,
         target_num_layers=num_layers,
     )
-    for key in (
-        "output", "batch_size", "draft_vocab_size", "device", "kv_cache_gb", "data_parallel_size"
-    ):
-        del settings[key]  # free to change between a run and its resume
     # a part's record (shard_plan.shard_record) needs the prompts: _output_of completes it
     return settings
 

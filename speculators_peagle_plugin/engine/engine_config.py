@@ -26,7 +26,9 @@ class EngineConfig:
     max_model_len: int | None = setting(
         None, "vLLM max_model_len.", show="the target's", engine=True
     )
-    kv_cache_gb: int | None = setting(None, "vLLM's CPU KV cache in GiB.", engine=True)
+    kv_cache_gb: int | None = setting(
+        None, "vLLM's CPU KV cache in GiB.", engine=True, resumable=True
+    )
     in_process: bool = setting(
         False, "vLLM engine core inside the worker: fast start, slower tokens/s.",
         switch=True, show=None, engine=True,
