@@ -73,7 +73,7 @@ def more_data_inputs(run_dir: Path, inputs: dict, dirs: Sequence[str]) -> list[d
     training nor its validation prompts (a larger cell reads the run's rows, then theirs)."""
     from speculators_peagle_plugin.data.layout import SETTINGS_FILE
     from speculators_peagle_plugin.data.prompts import read_training_prompts
-    from speculators_peagle_plugin.datagen.build_data import IDENTITY_KEYS
+    from speculators_peagle_plugin.datagen.output import IDENTITY_KEYS
 
     def settings(data: Path) -> dict:
         path = data / SETTINGS_FILE

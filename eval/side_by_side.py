@@ -77,7 +77,8 @@ def train_ours(spec: dict) -> dict:
 
     config = _train_config(spec, "ours")
     checkpoint = train(config)
-    records = [json.loads(line) for line in open(Path(config.trainer.save_path) / METRICS_FILE)]
+    save_path = Path(config.trainer.checkpoints.save_path)
+    records = [json.loads(line) for line in open(save_path / METRICS_FILE)]
     draft = Path(spec["out"]) / SIDES["ours"]
     link_draft(checkpoint, draft)
     return {
@@ -115,7 +116,7 @@ def train_theirs(spec: dict) -> dict:
     optimizer = torch.optim.AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay)
     scheduler = build_scheduler(optimizer, config.scheduler, total)
     loss_config = resolve_loss_config("kl_div", "eager")
-    cod = config.peagle
+    cod = config.peagle.cod
     max_anchors = spec.get("theirs_max_anchors", cod.max_anchors)
     ratio = spec.get("theirs_down_sample_ratio") or cod.down_sample_ratio
     losses = []

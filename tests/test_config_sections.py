@@ -30,7 +30,7 @@ def test_section_grouped_keys_mean_what_flat_keys_mean(tmp_path):
     flat.write_text(REQUIRED + "lr: 0.01\nnum_depths: 5\n")
     assert load_config(TrainConfig, nested, {}) == load_config(TrainConfig, flat, {})
     config = load_config(TrainConfig, nested, {"lr": "0.5"})  # a flag beats the file
-    assert (config.optimizer.lr, config.peagle.num_depths) == (0.5, 5)
+    assert (config.optimizer.lr, config.peagle.cod.num_depths) == (0.5, 5)
 
 
 def test_a_key_under_another_section_is_refused(tmp_path):

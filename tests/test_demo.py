@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from speculators_peagle_plugin.demo import pipeline as demo
-from speculators_peagle_plugin.serving.model_card import CARD_FILE, read_card, write_model_card
+from speculators_peagle_plugin.model.model_card import CARD_FILE, read_card, write_model_card
 
 # ----------------------------------------------------------------- pipeline.py stages
 
@@ -187,7 +187,7 @@ def test_pipeline_runs_every_stage_once_in_order(fake_pipeline, tmp_path):
     assert FakeCli._opt(gen, "--draft-vocab-size") == "8192"  # the training YAML's
     # The untrained draft is built from the very config the train command used.
     assert built[0].data.data_path == FakeCli._opt(train, "--data-path")
-    assert built[0].peagle.num_depths == 4 and built[0].trainer.max_steps == 2
+    assert built[0].peagle.cod.num_depths == 4 and built[0].trainer.schedule.max_steps == 2
     assert (run_dir / "trained-draft" / "model.safetensors").read_text() == "model.safetensors"
     assert not (run_dir / "trained-draft" / "training_state.pt").exists()
     assert summary["acceptance"]["humaneval[120:122]"]["K=2"]["acceptance_length"] == 2.3
@@ -339,7 +339,7 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
     served = run_dir / "trained-draft" / "model.safetensors"
     assert served.read_text() == "best model.safetensors"
     assert built[0].data.validation_data_path == FakeCli._opt(validation, "--output")
-    assert built[0].trainer.early_stop_patience == 2
+    assert built[0].trainer.validation.early_stop_patience == 2
     assert FakeCli._opt(cli.commands[-1], "--prompts", all_=True) == [
         "humaneval[120:164]", "mt_bench"
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from speculators_peagle_plugin.demo import pipeline as demo
-from speculators_peagle_plugin.serving.model_card import read_card
+from speculators_peagle_plugin.model.model_card import read_card
 
 
 @pytest.mark.slow

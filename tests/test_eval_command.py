@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data.prompts import load_prompt_set, render_prompts
-from speculators_peagle_plugin.serving.model_card import read_card, write_model_card
+from speculators_peagle_plugin.model.model_card import read_card, write_model_card
 
 K = 3
 

@@ -194,11 +194,14 @@ def test_time_per_output_token_spread_and_the_kv_cache_default(tmp_path):
     config = EvalConfig(target=str(tmp_path))
     assert config.sweep.concurrency == (1, 4, 16) and config.sweep.ks == (1, 2, 4)
     assert config.resolved_kv_cache_gb() == CPU_KV_CACHE_GB  # no GPU here
-    assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb() == 2
+    def cache(gb: int, engines: int = 1) -> int:
+        given = EvalConfig.from_sources(target=str(tmp_path), kv_cache_gb=gb)
+        return given.resolved_kv_cache_gb(engines)
+
+    assert cache(2) == 2
     # engines alive at once share the cache, 1 GiB each at least
     assert config.resolved_kv_cache_gb(2) == CPU_KV_CACHE_GB // 2
-    assert EvalConfig(target=str(tmp_path), kv_cache_gb=5).resolved_kv_cache_gb(2) == 2
-    assert EvalConfig(target=str(tmp_path), kv_cache_gb=2).resolved_kv_cache_gb(4) == 1
+    assert cache(5, 2) == 2 and cache(2, 4) == 1
     assert config.resolved_interleave() and not EvalConfig(
         target=str(tmp_path), interleave=False).resolved_interleave()
     with pytest.raises(ValueError, match="every concurrency must be an integer >= 1"):

@@ -17,8 +17,8 @@ from helpers.training import config_for, reference_step, refused, run_cli, train
 from safetensors.torch import load_file
 from tiny import tiny_tokenizer
 
+from speculators_peagle_plugin.model.model_card import portable_path, read_card
 from speculators_peagle_plugin.serving.check import check_checkpoint
-from speculators_peagle_plugin.serving.model_card import portable_path, read_card
 from speculators_peagle_plugin.training.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
 from speculators_peagle_plugin.training.progress import METRICS_FILE
@@ -157,7 +157,7 @@ from speculators_peagle_plugin.training.train_config import TrainConfig
 from speculators_peagle_plugin.training.loop import train
 
 config = TrainConfig.from_sources(**json.loads(sys.argv[1]))
-save = config.trainer.save_path
+save = config.trainer.checkpoints.save_path
 # The caller's own group (its own store: a group re-made on the same store can read the
 # last one's stale addresses): train() leaves it alone.
 rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -15,15 +15,15 @@ from tiny_vllm import tiny_vllm_draft
 
 from speculators_peagle_plugin.evaluation.card import update_model_cards
 from speculators_peagle_plugin.evaluation.eval_config import EvalConfig
-from speculators_peagle_plugin.serving.check import check_checkpoint
-from speculators_peagle_plugin.serving.export import export_checkpoint
-from speculators_peagle_plugin.serving.model_card import (
+from speculators_peagle_plugin.model.model_card import (
     CARD_FILE,
     card_facts,
     read_card,
     write_eval_section,
     write_model_card,
 )
+from speculators_peagle_plugin.serving.check import check_checkpoint
+from speculators_peagle_plugin.serving.export import export_checkpoint
 
 SETTINGS = {  # a generate-data generation_settings.json, as much of it as the card reads
     "prompts": "runs/x/train_prompts.jsonl", "num_samples": 5, "temperature": 0.7,

@@ -127,8 +127,9 @@ def test_all_lists_public_names_only():
     assert not private, private
 
 
-# Layers a layer never imports though they sit below it: training needs no engine.
-SKIPPED_LAYERS = {"training": {"engine"}}
+# Layers a layer never imports though they sit below it: training needs no engine and no
+# serving (the model card it writes into each checkpoint is model/'s).
+SKIPPED_LAYERS = {"training": {"engine", "serving"}}
 
 
 def test_layers_import_only_downward():
@@ -149,6 +150,50 @@ def test_layers_import_only_downward():
             if used in ("cli", "plugin") or upward or used in SKIPPED_LAYERS.get(layer, ()):
                 wrong.append(f"{path.relative_to(package)} imports {used}")
     assert not wrong, wrong
+
+
+def _imports(package: Path) -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``, every import counted: at the top,
+    inside a function, under ``TYPE_CHECKING``."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        used = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                used |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                source = ".".join(base + (node.module.split(".") if node.module else []))
+                for alias in node.names:  # a submodule imported by name, else its package
+                    found = f"{source}.{alias.name}"
+                    used.add(found if found in modules else source)
+        graph[name] = (used & modules.keys()) - {name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle among the package's modules, however far round, ``TYPE_CHECKING``
+    and function-level imports included: each module reads without the ones above it."""
+    graph = _imports(Path(speculators_peagle_plugin.__file__).parent)
+    circles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        for used in sorted(graph[name]):
+            if used in path:
+                circles.append(" -> ".join(path[path.index(used):] + [used]))
+            elif used not in done:
+                visit(used, [*path, used])
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name])
+    assert not circles, circles
 
 
 def test_every_subpackage_docstring_names_its_modules():

@@ -76,9 +76,10 @@ def test_a_speculators_run_yaml_trains_unchanged(workdir, tmp_path):
     assert text.startswith("train:\n") and "  data:\n" in text and "  peagle:\n" in text
     (tmp_path / "run.yaml").write_text(text)
     config = TrainConfig.from_sources(tmp_path / "run.yaml")
-    assert (config.seed, config.optimizer.lr, config.peagle.num_depths) == (3, 0.01, 3)
-    assert (config.peagle.down_sample_ratio, config.peagle.max_anchors) == (0.6, 64)
-    assert (config.trainer.max_steps, config.trainer.epochs, config.logging.log_freq) == (4, 3, 2)
+    assert (config.seed, config.optimizer.lr, config.peagle.cod.num_depths) == (3, 0.01, 3)
+    assert (config.peagle.cod.down_sample_ratio, config.peagle.cod.max_anchors) == (0.6, 64)
+    schedule = config.trainer.schedule
+    assert (schedule.max_steps, schedule.epochs, config.logging.log_freq) == (4, 3, 2)
     assert config.runtime.autocast == "none" and config.data.total_seq_len == 96
     code, out = run_cli(["train", "--config", str(tmp_path / "run.yaml")])
     assert code == 0, out

@@ -8,7 +8,8 @@ import pytest
 from helpers.training import run_cli, train_args
 
 from speculators_peagle_plugin.training import trackers
-from speculators_peagle_plugin.training.progress import METRICS_FILE, LoggingConfig
+from speculators_peagle_plugin.training.progress import METRICS_FILE
+from speculators_peagle_plugin.training.trackers import LoggingConfig
 from speculators_peagle_plugin.training.validation import VALIDATION_FILE
 
 

@@ -29,7 +29,7 @@ def no_flags(**given):
 def test_every_shipped_config_is_valid(path):
     config = build_train_config(str(path), no_flags(**REQUIRED))
     assert config.algorithm == "peagle"
-    assert isinstance(config.peagle, CODConfig)
+    assert isinstance(config.peagle.cod, CODConfig)
 
 
 def test_shipped_configs_cover_the_demo_llama_qwen_and_long_context():
@@ -72,7 +72,7 @@ def test_precedence_defaults_then_file_then_flags(tmp_path):
     config = build_train_config(str(path), no_flags(**REQUIRED, lr="0.5"))
     flat = config.to_dict()
     assert (flat["num_depths"], flat["lr"], flat["target_layer_ids"]) == (5, 0.5, (1, 2, 3))
-    assert config.peagle.down_sample_ratio == CODConfig.down_sample_ratio  # untouched default
+    assert config.peagle.cod.down_sample_ratio == CODConfig.down_sample_ratio  # untouched default
     flags = no_flags(**REQUIRED, target_layer_ids="4,5 6", sliding_window="none")
     config = build_train_config(str(path), flags)
     assert config.draft.target_layer_ids == (4, 5, 6) and config.draft.sliding_window is None
@@ -150,6 +150,6 @@ def test_save_best_is_on_with_validation_unless_turned_off_and_free_without_it()
     """Without validation nothing is ranked: a save_best given as false is no contradiction,
     one left unset is not known to be meant; only true is refused (the table above)."""
     held_out = build_train_config(None, no_flags(**REQUIRED, train_data_ratio="0.9"))
-    assert held_out.validating and held_out.trainer.save_best is None  # None: on
+    assert held_out.validating and held_out.trainer.validation.save_best is None  # None: on
     off = build_train_config(None, no_flags(**REQUIRED, save_best=False))
-    assert not off.validating and off.trainer.save_best is False
+    assert not off.validating and off.trainer.validation.save_best is False

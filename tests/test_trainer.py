@@ -361,3 +361,21 @@ def test_bad_input_is_a_value_error():
     with pytest.raises(ValueError, match="192 features"):
         module.forward_batch(batch)
     assert DRAFT_VOCAB == ids.shape[0]
+
+
+def test_sections_whole_and_the_seeds_arguments_build_the_same_module():
+    from speculators_peagle_plugin.core.peagle_config import CODConfig, PEagleConfig
+    from speculators_peagle_plugin.kernels.fused_kl import LossConfig
+
+    draft, ids, t2d = tiny_draft(0)
+    loose = PEagleTrainerModule(draft, ids, t2d, K, MASK_TOKEN, 0.8, 0.3, 2, max_anchors=9,
+                                tv_weight=0.5)
+    peagle = PEagleConfig(CODConfig(K, 0.8, 0.3, 9), 2)
+    whole = PEagleTrainerModule.from_sections(draft, ids, t2d, MASK_TOKEN, peagle,
+                                              LossConfig(tv_weight=0.5))
+    assert (whole.peagle, whole.loss_config) == (loose.peagle, loose.loss_config)
+    assert whole.num_depths == loose.num_depths == K  # K is the module's
+    batch = packed_batch(0, dtype=torch.float32)
+    for module in (loose, whole):
+        module.generator = torch.Generator().manual_seed(0)
+    assert torch.equal(loose.forward_batch(batch).loss, whole.forward_batch(batch).loss)

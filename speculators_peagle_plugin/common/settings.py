@@ -69,6 +69,14 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
     as the help shows it; None: not shown; absent: the default itself), ``output`` (a
     directory the command writes, checked before it starts: True, or the key of the setting
     without which it is not written).
+
+    A setting's roles beyond its flag are metadata too, read where the role matters (see
+    :func:`keys_with`): ``resumable`` (may change when a run resumes from a checkpoint: how
+    long, how often, where to, not what is learnt), ``path`` (a local path: compared
+    resolved, so that two spellings of one directory agree), ``prompts`` (a prompt-set spec,
+    whose sources are compared resolved), ``card`` (stated on the model card; an eval
+    setting: in the card's eval entries), ``engine`` (a setting of the engines a command
+    starts, which a running server has of its own).
     """
     metadata = {"help": help, **meta}
     if factory is not None:
@@ -76,17 +84,30 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
     return field(default=default, metadata=metadata)
 
 
+def keys_with(cls, role: str) -> tuple[str, ...]:
+    """The flat keys of the settings of config class ``cls`` whose metadata marks ``role``
+    (:func:`setting`), in declaration order.
+
+    Example: ``keys_with(TrainConfig, "path")`` -> ``("verifier_name_or_path", "data_path",
+    "from_pretrained")``.
+    """
+    return tuple(leaf.key for leaf in leaves(cls) if leaf.field.metadata.get(role))
+
+
 def section(cls, *, factory=None, keys=None, prefix: str = "", hidden=(), help_prefix: str = "",
-            flags: bool = True):
+            flags: bool = True, says=None):
     """A field holding the config section ``cls`` (default: ``factory()``, else ``cls()``).
 
     ``keys`` / ``prefix`` rename the section's settings for the config that holds it (a
     setting's key is ``keys[name]``, else ``prefix + name``); ``hidden`` settings keep
     their defaults and are neither flags nor keys there; ``help_prefix`` heads their help;
-    ``flags=False``: its settings are keys only, not flags.
+    ``flags=False``: its settings are keys only, not flags; ``says``: ``{name: {metadata
+    key: value}}``, what a setting's help and shown default say in this config (``help``,
+    ``show``) where it means more there (example: eval's KV cache is shared by its engines).
     """
     meta = {"section": cls, "keys": dict(keys or {}), "prefix": prefix,
-            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags}
+            "hidden": tuple(hidden), "help_prefix": help_prefix, "flags": flags,
+            "says": {name: dict(said) for name, said in (says or {}).items()}}
     return field(default_factory=factory or cls, metadata=meta)
 
 
@@ -136,6 +157,10 @@ def leaves(cls, *, _base=None) -> list[Leaf]:
             if name in meta["hidden"]:
                 continue
             key = meta["keys"].get(name, meta["prefix"] + leaf.key)
+            said = meta["says"].get(name) if len(leaf.path) == 1 else None
+            if said:
+                leaf = dataclasses.replace(leaf, field=_saying(leaf.field, said),
+                                           help=said.get("help", leaf.help))
             text = leaf.help
             if meta["help_prefix"] and text:
                 text = meta["help_prefix"] + text[0].lower() + text[1:]
@@ -144,6 +169,14 @@ def leaves(cls, *, _base=None) -> list[Leaf]:
                 is_flag=leaf.is_flag and meta["flags"],
             ))
     return found
+
+
+def _saying(f: dataclasses.Field, said: Mapping) -> dataclasses.Field:
+    """A copy of the setting ``f`` whose metadata has ``said``'s keys instead."""
+    copy = field(default=f.default, default_factory=f.default_factory,
+                 metadata={**f.metadata, **said})
+    copy.name, copy.type = f.name, f.type
+    return copy
 
 
 def _coerce(name: str, value, hint):

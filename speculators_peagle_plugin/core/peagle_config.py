@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.settings import check_int_at_least, fail, setting
+from ..common.settings import check_int_at_least, fail, section, setting
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,9 @@ class CODConfig:
         max_anchors: optional cap on how many chains may start (speculators' knob).
     """
 
-    num_depths: int = setting(8, "Parallel depths trained (COD depths).")
-    down_sample_ratio: float = setting(0.7, "COD decay ratio r.")
-    down_sample_ratio_min: float = setting(0.2, "COD floor r_min.")
+    num_depths: int = setting(8, "Parallel depths trained (COD depths).", card=True)
+    down_sample_ratio: float = setting(0.7, "COD decay ratio r.", card=True)
+    down_sample_ratio_min: float = setting(0.2, "COD floor r_min.", card=True)
     max_anchors: int | None = setting(None, "Cap on COD chain starts per row.")
 
     def __post_init__(self) -> None:
@@ -46,15 +46,21 @@ class CODConfig:
 
 
 @dataclass(frozen=True)
-class PEagleConfig(CODConfig):
-    """The ``peagle`` section: COD sampling plus how rollouts are drawn and rows split.
+class PEagleConfig:
+    """The ``peagle`` section: COD sampling (its ``cod`` part, whose keys are the section's
+    own: ``num_depths``, not ``cod.num_depths``) plus how rollouts are drawn and rows split.
 
     Args:
+        cod: the sampler's knobs (:class:`CODConfig`).
         sequence_partitions: segments ``S`` per row (Algorithm 1); exact for any ``S``.
         greedy_chains: draw the rollouts of depths >= 1 only along the target's greedy path.
     """
 
-    sequence_partitions: int = setting(1, "Segments per row (P-EAGLE Algorithm 1); exact.")
+    cod: CODConfig = section(CODConfig)
+
+    sequence_partitions: int = setting(
+        1, "Segments per row (P-EAGLE Algorithm 1); exact.", card=True
+    )
     greedy_chains: bool = setting(
         False,
         "Draw the COD rollouts that train depths >= 1 only along the target's greedy path "
@@ -63,12 +69,4 @@ class PEagleConfig(CODConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         check_int_at_least("sequence_partitions", self.sequence_partitions, 1)
-
-    @property
-    def cod(self) -> CODConfig:
-        """The sampler's knobs alone."""
-        return CODConfig(
-            self.num_depths, self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors
-        )

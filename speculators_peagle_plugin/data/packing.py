@@ -34,8 +34,9 @@ class DataConfig:
         "",
         "Training data in speculators' on-disk format (with --online, token ids and loss "
         "masks are enough).",
+        path=True,
     )
-    total_seq_len: int = setting(8192, "Tokens per packed row.")
+    total_seq_len: int = setting(8192, "Tokens per packed row.", card=True)
     validation_data_path: str | None = setting(
         None,
         "Held-out data (speculators format, same target and aux layers): every checkpoint's "

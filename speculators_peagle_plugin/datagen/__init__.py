@@ -5,6 +5,7 @@ transformers or vLLM), ``capture`` (hidden states with transformers), ``capture_
 vLLM: placing the replies' engine's recordings, or a prefill pass), ``vllm_recorder`` (the
 worker extension that records while vLLM generates) and ``vllm_connector`` (the KV connector
 of the prefill pass), both loaded by vLLM in its worker, ``build_data`` (``generate_data``),
+``output`` (its output directory: checked, locked, sized; the dataset written),
 ``online_states`` (states the target computes as training reads the rows), ``served_states``
 (states from running vLLM servers: the ``generation`` section), ``shard_plan``
 (which conversations a part of the data makes: ``--shard``, replicas), ``replicas``

@@ -137,7 +137,7 @@ def write_hidden_states_vllm(
     with (
         VllmWorker(
             output / CAPTURE_LOG_FILE, in_process=config.tensor_parallel_size == 1,
-            kv_cache_gb=config.kv_cache_gb,
+            kv_cache_gb=config.engine.kv_cache_gb,
         ) as worker,
         tqdm(
             total=len(dataset), initial=len(dataset) - len(todo), unit="sample",

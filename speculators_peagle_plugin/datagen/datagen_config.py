@@ -23,6 +23,7 @@ from ..common.settings import (
 )
 from ..data.prompts import prompt_source_exists
 from ..data.storage import FLOAT8
+from ..engine.engine_config import EngineConfig
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
 from .shard_plan import WHOLE, Shard
 
@@ -63,7 +64,7 @@ class ReplyConfig:
     max_new_tokens: int = setting(256, "Tokens per reply.")
     temperature: float = setting(0.0, "The replies' sampling temperature; 0 = greedy.")
     top_p: float = setting(1.0, "Nucleus mass when sampling.")
-    batch_size: int = setting(8, "Prompts generated together.")
+    batch_size: int = setting(8, "Prompts generated together.", resumable=True)
     num_samples: int = setting(1, "Replies per prompt (> 1 needs --temperature > 0).")
     backend: str = setting(
         "transformers",
@@ -124,7 +125,9 @@ class DataGenConfig(Settings):
         shard: ``"I/N"``: make only part ``I`` (from 0) of ``N`` of the data, for the same
             command run on ``N`` machines; ``join-data`` joins the parts into the data one run
             makes. None = all of it.
-        kv_cache_gb: vLLM's CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``); None = vLLM's default.
+        engine: the vLLM engines' settings (:class:`~..engine.engine_config.EngineConfig`):
+            ``kv_cache_gb``, the CPU KV cache of each replica's; None = vLLM's default (with
+            replicas on CPU: ``CPU_KV_CACHE_GB`` shared).
         target_layer_ids: aux layer ids, each in [0, N); None = ``(2, N//2, N-3)``.
         draft_vocab_size: size of the ``d2t``/``t2d`` files written.
         max_samples: use only the first this many usable prompts.
@@ -137,7 +140,7 @@ class DataGenConfig(Settings):
         device: torch device of the target.
     """
 
-    target: str = setting(help="Local transformers target model directory.", show=None)
+    target: str = setting(help="Local transformers target model directory.", show=None, path=True)
     prompts: str = setting(
         help="Prompt set, as eval --prompts takes it: humaneval, chat, sharegpt (first turns), "
         "sharegpt_turns (every user turn of each conversation, answered in order), mbpp, ..., "
@@ -145,8 +148,11 @@ class DataGenConfig(Settings):
         "reply) or a dataset saved with save_to_disk, optionally sliced like chat[100:]; a mix "
         "joins them with +, sharegpt[:4000]+mbpp.",
         show=None,
+        prompts=True,
     )
-    output: str = setting(help="Output directory (resumed if it exists).", show=None, output=True)
+    output: str = setting(
+        help="Output directory (resumed if it exists).", show=None, output=True, resumable=True
+    )
     replies: ReplyConfig = section(ReplyConfig)
     hidden_states_from: str | None = setting(
         None,
@@ -168,6 +174,7 @@ class DataGenConfig(Settings):
         "Replicas on this machine, each making its part of the data: one per "
         "--tensor-parallel-size GPUs on CUDA, or CPU processes sharing the cores; joined into "
         "--output at the end.",
+        resumable=True,
     )
     shard: str | None = setting(
         None,
@@ -175,13 +182,16 @@ class DataGenConfig(Settings):
         "join-data joins the parts.",
         show=None,
     )
-    kv_cache_gb: int | None = setting(
-        None, "vLLM's CPU KV cache in GiB (vllm backend; per replica)."
+    engine: EngineConfig = section(
+        EngineConfig, hidden=("max_model_len", "in_process"),
+        says={"kv_cache_gb": {"help": "vLLM's CPU KV cache in GiB (vllm backend; per replica)."}},
     )
     target_layer_ids: tuple[int, ...] | None = setting(
         None, "Aux layer ids, e.g. 2,15,27.", show="2,N//2,N-3"
     )
-    draft_vocab_size: int = setting(DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.")
+    draft_vocab_size: int = setting(
+        DEFAULT_DRAFT_VOCAB_SIZE, "Size of the d2t/t2d written.", resumable=True
+    )
     max_samples: int | None = setting(None, "Use only the first N prompts.", show=None)
     contamination_guard: bool = setting(
         True,
@@ -195,7 +205,7 @@ class DataGenConfig(Settings):
     dtype: str = setting(
         "float32", "Target dtype, also the hidden states' dtype.", choices=DTYPE_NAMES
     )
-    device: str = setting("cpu", "Torch device of the target.")
+    device: str = setting("cpu", "Torch device of the target.", resumable=True)
 
     @property
     def capture_backend(self) -> str:
@@ -220,7 +230,7 @@ class DataGenConfig(Settings):
             check_int_at_least(name, getattr(self, name), 1)
         if self.shard is not None:
             Shard.parse(self.shard)
-        check_optional_ints(self, {"kv_cache_gb": 1, "max_samples": 1})
+        check_optional_ints(self, {"max_samples": 1})
         check_int_at_least("seed", self.seed, 0)
         if self.hidden_states_from == "generation" and self.replies.backend != "vllm":
             raise UserError(

@@ -74,7 +74,7 @@ class Target:
         # as with vLLM's separate engine process, which would also reserve a core for itself.
         in_process = self.config.tensor_parallel_size == 1  # several ranks need processes
         with VllmWorker(
-            log_path, in_process=in_process, kv_cache_gb=self.config.kv_cache_gb
+            log_path, in_process=in_process, kv_cache_gb=self.config.engine.kv_cache_gb
         ) as worker:
             self.vllm = worker
             try:

@@ -36,7 +36,7 @@ from ..data.layout import (
     hs_path,
 )
 from ..model.build import DEFAULT_DRAFT_VOCAB_SIZE
-from .build_data import write_dataset
+from .output import write_dataset
 from .shard_plan import record_span
 
 

@@ -32,9 +32,9 @@ from ..data.layout import (
     hs_path,
 )
 from ..engine.vllm_client import CPU_KV_CACHE_GB
-from .build_data import check_storage, open_output
 from .datagen_config import DataGenConfig
 from .join import join_parts
+from .output import check_storage, open_output
 from .shard_plan import piece_size
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _environments(config: DataGenConfig, replicas: int) -> list[tuple[dict, list
 
 
 def _replica_config(config: DataGenConfig, part, directory: Path, on_cpu: bool) -> dict:
-    kv_cache_gb = config.kv_cache_gb
+    kv_cache_gb = config.engine.kv_cache_gb
     if kv_cache_gb is None and on_cpu:
         kv_cache_gb = max(1, CPU_KV_CACHE_GB // config.data_parallel_size)
     device = "cuda" if config.device.startswith("cuda") else config.device

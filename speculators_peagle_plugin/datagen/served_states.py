@@ -54,7 +54,7 @@ class GenerationConfig:
         "vLLM server that computes the hidden states of rows without them (repeatable: rows "
         "go to the servers in turn); it serves the verifier with extract_hidden_states and "
         f"writes where training can read ({DOCS}).",
-        multiple=True,
+        multiple=True, resumable=True,
     )
     on_missing: str = setting(
         "generate",
@@ -65,19 +65,23 @@ class GenerationConfig:
     on_generate: str = setting(
         "delete",
         "speculators' deprecated key, no effect: fetched hidden states are deleted once read.",
-        choices=("delete",),
+        choices=("delete",), resumable=True,
     )
-    request_timeout: float = setting(120.0, "Seconds each request to a server may take.")
-    max_retries: int = setting(3, "HTTP retries of a request (back-off 2, 4, 8, ... s).")
+    request_timeout: float = setting(
+        120.0, "Seconds each request to a server may take.", resumable=True
+    )
+    max_retries: int = setting(
+        3, "HTTP retries of a request (back-off 2, 4, 8, ... s).", resumable=True
+    )
     generation_validation_retries: int = setting(
         2,
         "Further complete attempts (request, read, check) for a row whose states failed; "
-        "each goes to the next server.",
+        "each goes to the next server.", resumable=True,
     )
     max_consecutive_generation_failures: int = setting(
         20,
         "Stop training after this many rows in a row failed every attempt (a failed row is "
-        "dropped from its step).",
+        "dropped from its step).", resumable=True,
     )
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..common.errors import UserError
 from ..common.files import atomic_directory, atomic_write_text
 from ..data.prompts import load_prompt_set, render_conversation
-from ..serving.model_card import CARD_FILE, read_card, write_model_card
+from ..model.model_card import CARD_FILE, read_card, write_model_card
 from ..training.loop import build_training
 
 __all__ = [

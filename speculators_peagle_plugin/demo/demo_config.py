@@ -10,6 +10,7 @@ from ..common.errors import UserError
 from ..common.reading import read_yaml_mapping
 from ..common.settings import Settings, build, check_optional_ints, leaves, section, setting
 from ..datagen.datagen_config import ReplyConfig
+from ..engine.engine_config import EngineConfig
 from ..engine.vllm_client import CPU_KV_CACHE_GB
 from ..evaluation.eval_config import SweepConfig
 
@@ -58,7 +59,8 @@ class DemoConfig(Settings):
             is slow on a CPU and at the largest concurrency every held-out prompt still runs;
             ``eval_enforce_eager`` starts engines sooner, but their tokens/s are not those of
             ``vllm serve``. The K run at the largest concurrency: :meth:`ks_at_max_concurrency`.
-        kv_cache_gb: vLLM's CPU KV cache (data generation and eval).
+        engine: the vLLM engines' settings (key ``kv_cache_gb``: the CPU KV cache of data
+            generation and eval).
         target_dtype: the target's dtype when it writes the data and serves in eval (the
             draft learns the states it will be served); ``auto`` = bfloat16, as SmolLM2 ships,
             on CPUs that multiply it natively, float32 elsewhere.
@@ -89,7 +91,10 @@ class DemoConfig(Settings):
         SweepConfig, factory=_demo_sweep, prefix="eval_", keys={"prompt_sets": "eval_prompts"},
         flags=False,
     )
-    kv_cache_gb: int = CPU_KV_CACHE_GB
+    engine: EngineConfig = section(
+        EngineConfig, factory=lambda: EngineConfig(kv_cache_gb=CPU_KV_CACHE_GB),
+        hidden=("max_model_len", "in_process"), flags=False,
+    )
     target_dtype: str = "auto"
     quick: bool = setting(
         False, "CI-sized run: 6 prompts, 2 steps, a short eval.", switch=True, show=None
@@ -98,9 +103,8 @@ class DemoConfig(Settings):
     def __post_init__(self) -> None:
         if not Path(self.train_config).is_file():
             raise UserError(f"training config {self.train_config} does not exist.")
-        check_optional_ints(self, {"num_speculative_tokens": 1, "kv_cache_gb": 1,
-                                   "max_steps": 1, "max_prompt_tokens": 1,
-                                   "early_stop_patience": 1})
+        check_optional_ints(self, {"num_speculative_tokens": 1, "max_steps": 1,
+                                   "max_prompt_tokens": 1, "early_stop_patience": 1})
         if self.target_dtype not in ("auto", *DTYPE_NAMES):
             raise UserError(
                 f"target_dtype must be auto or one of {', '.join(DTYPE_NAMES)}, "

@@ -202,8 +202,8 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
             "target": str(target), "prompts": str(prompts_path), "output": str(output),
             "max_new_tokens": replies.max_new_tokens, "num_samples": replies.num_samples,
             "temperature": replies.temperature, "backend": replies.backend,
-            "batch_size": replies.batch_size, "kv_cache_gb": config.kv_cache_gb, "dtype": dtype,
-            "draft_vocab_size": draft_vocab_size,
+            "batch_size": replies.batch_size, "kv_cache_gb": config.engine.kv_cache_gb,
+            "dtype": dtype, "draft_vocab_size": draft_vocab_size,
         })
         _command(["generate-data", *args], echo, name)
         return {"path": str(output)}
@@ -292,7 +292,7 @@ def _eval_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
         values = {
             "target": str(target), "drafts": (str(layout.trained_draft),), "ks": sweep.ks,
             "concurrency": sweep.concurrency, "prompts_per_slot": sweep.prompts_per_slot,
-            "max_new_tokens": sweep.max_new_tokens, "kv_cache_gb": config.kv_cache_gb,
+            "max_new_tokens": sweep.max_new_tokens, "kv_cache_gb": config.engine.kv_cache_gb,
             "dtype": dtype, "base_model": SMOLLM2_ID, "output_dir": str(layout.eval),
             "prompt_sets": sweep.prompt_sets, "enforce_eager": sweep.enforce_eager,
         }

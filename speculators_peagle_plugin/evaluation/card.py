@@ -1,7 +1,7 @@
 """The eval's part of a draft's model card: its entries and the acceptance table made of them.
 
 A card keeps one entry per measured cell of its draft (``peagle_eval`` in its front matter,
-:mod:`..serving.model_card`), keyed by the prompt set and the settings that change the
+:mod:`..model.model_card`), keyed by the prompt set and the settings that change the
 figures: K, concurrency and the eval settings marked ``card=True`` (dtype, max new tokens,
 ...). An eval merges its entries into the card's (:func:`merge_entries`): an entry of the same
 key is replaced unless it was measured on more prompts, so a smoke test never displaces the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..common.paths import writing
 from ..common.settings import leaves
-from ..serving.model_card import CARD_FILE, EVALS, portable_path, read_card, write_eval_section
+from ..model.model_card import CARD_FILE, EVALS, portable_path, read_card, write_eval_section
 from .eval_config import EvalConfig
 
 __all__ = ["card_entries", "eval_section", "merge_entries", "update_model_cards"]

@@ -17,13 +17,11 @@ from ..common.dtypes import DTYPE_NAMES
 from ..common.errors import UserError
 from ..common.settings import Settings, flatten, leaves, section
 from ..common.settings import setting as _opt
+from ..engine.engine_config import EngineConfig
 from ..engine.vllm_client import CPU_KV_CACHE_GB
-from ..serving.model_card import check_base_model
+from ..model.model_card import check_base_model
 
 BACKENDS = ("vllm", "reference")
-# Settings of the drafts and engines eval starts: a running server decodes with its own.
-ENGINE_KEYS = ("drafts", "ks", "ks_at_max_concurrency", "backend", "baseline", "dtype",
-               "max_model_len", "kv_cache_gb", "in_process", "enforce_eager", "interleave")
 
 
 def _stamp() -> str:
@@ -64,6 +62,7 @@ class SweepConfig:
         flag="--num-speculative-tokens",
         short="-k",
         show="1,2,4",
+        engine=True,
     )
     max_new_tokens: int = _opt(128, "Tokens decoded per request.", card=True)
     concurrency: tuple[int, ...] = _opt(
@@ -73,6 +72,7 @@ class SweepConfig:
         None,
         "At the largest concurrency run only these K, comma-separated (of -k's).",
         show="every K",
+        engine=True,
     )
     prompts_per_slot: int | None = _opt(
         None,
@@ -87,6 +87,7 @@ class SweepConfig:
         switch=True,
         show=None,
         card=True,
+        engine=True,
     )
 
     def __post_init__(self) -> None:
@@ -131,19 +132,16 @@ class EvalConfig(Settings):
         ignore_eos: decode exactly ``max_new_tokens`` tokens.
         dtype: model dtype; output_dir: where record.json and the PNG figures go.
         seed: the engine's seed.
-        kv_cache_gb: vLLM CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``), shared by the engines
-            alive at once; None = ``CPU_KV_CACHE_GB`` on CPU, vLLM's default on GPU
-            (:meth:`resolved_kv_cache_gb`).
-        in_process: run vLLM's engine core inside the worker process instead of its own
-            (vLLM's default). An engine then starts several times faster on CPU, but the
-            frontend shares the engine's pinned core, so tokens/s drop: for tests and
-            acceptance-only runs.
+        engine: how each vLLM engine starts (:class:`~..engine.engine_config.EngineConfig`):
+            its KV cache is shared by the engines alive at once, None = ``CPU_KV_CACHE_GB``
+            on CPU, vLLM's default on GPU (:meth:`resolved_kv_cache_gb`); ``in_process``
+            is for tests and acceptance-only runs.
         interleave: on CPU, keep every engine alive and run the concurrency-1 cells in
             turns, one prompt per engine per turn (:func:`~.harness.plan_turns`), so that
             the machine's drift between minutes cancels out of their speedups. False, or a
             GPU (whose memory one engine claims), runs one engine after another.
         servers: base URLs of running OpenAI-compatible vLLM servers to measure instead of
-            starting engines (:mod:`.server`); then the settings of ``ENGINE_KEYS`` keep
+            starting engines (:mod:`.server`); then the settings marked ``engine`` keep
             their defaults (each server has its own).
         labels: the table's name for each server, in the order of ``servers`` (empty: the
             model name each server reports).
@@ -153,18 +151,26 @@ class EvalConfig(Settings):
 
     target: str = _opt(help="Local target directory.", show=None)
     drafts: tuple[str, ...] = _opt(
-        (), "P-EAGLE checkpoint (repeatable).", flag="--draft", multiple=True, show=None
+        (), "P-EAGLE checkpoint (repeatable).", flag="--draft", multiple=True, show=None,
+        engine=True,
     )
     sweep: SweepConfig = section(SweepConfig)
-    backend: str = _opt("vllm", "Where the drafts run.", choices=BACKENDS, card=True)
+    backend: str = _opt(
+        "vllm", "Where the drafts run.", choices=BACKENDS, card=True, engine=True
+    )
     baseline: bool = _opt(
-        True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None
+        True, "Skip the no-draft run (no speedup).", flag="--no-baseline", negate=True, show=None,
+        engine=True,
     )
     ignore_eos: bool = _opt(
         False, "Always decode --max-new-tokens tokens.", switch=True, show=None, card=True
     )
-    dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES, card=True)
-    max_model_len: int | None = _opt(None, "vLLM max_model_len.", show="the target's")
+    dtype: str = _opt("float32", "Model dtype.", choices=DTYPE_NAMES, card=True, engine=True)
+    engine: EngineConfig = section(EngineConfig, says={"kv_cache_gb": {
+        "help": "vLLM CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), shared by the engines "
+                "alive at once.",
+        "show": f"{CPU_KV_CACHE_GB} on CPU",
+    }})
     output_dir: str = _opt(
         help="Run directory.",
         factory=lambda: f"runs/eval-{_stamp()}",
@@ -173,17 +179,6 @@ class EvalConfig(Settings):
         output=True,
     )
     seed: int = 0  # the engine's seed; not a flag
-    kv_cache_gb: int | None = _opt(
-        None,
-        "vLLM CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), shared by the engines alive at once.",
-        show=f"{CPU_KV_CACHE_GB} on CPU",
-    )
-    in_process: bool = _opt(
-        False,
-        "vLLM engine core inside the worker: fast start, slower tokens/s.",
-        switch=True,
-        show=None,
-    )
     interleave: bool = _opt(
         True,
         "Run the concurrency-1 cells one engine after another instead of in turns, one "
@@ -191,6 +186,7 @@ class EvalConfig(Settings):
         flag="--no-interleave",
         negate=True,
         show=None,
+        engine=True,
     )
     servers: tuple[str, ...] = _opt(
         (), "URL of a running OpenAI-compatible vLLM server to measure instead of starting engines "
@@ -213,8 +209,6 @@ class EvalConfig(Settings):
             self._check_server_mode()
         elif self.labels:
             raise UserError("--label names a --server: give the servers' URLs with --server.")
-        if self.kv_cache_gb is not None and not _positive_int(self.kv_cache_gb):
-            raise UserError(f"kv_cache_gb must be an integer >= 1, got {self.kv_cache_gb!r}.")
         if self.backend not in BACKENDS:
             raise UserError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.dtype not in DTYPE_NAMES:
@@ -241,7 +235,7 @@ class EvalConfig(Settings):
             raise UserError(f"each --label must name one server, got {list(self.labels)!r}.")
         values = flatten(self)
         given = [leaf.field.metadata.get("short") or leaf.flag for leaf in leaves(type(self))
-                 if leaf.key in ENGINE_KEYS and values[leaf.key] != leaf.default]
+                 if leaf.field.metadata.get("engine") and values[leaf.key] != leaf.default]
         if given:
             raise UserError(
                 f"{', '.join(given)} cannot be used with --server: each server decodes with "
@@ -253,8 +247,8 @@ class EvalConfig(Settings):
         """The KV cache each vLLM worker gets: the flag, else ``CPU_KV_CACHE_GB`` on CPU,
         shared by the engines alive at once (at least 1 GiB each)."""
         if self.backend != "vllm":
-            return self.kv_cache_gb
-        total = self.kv_cache_gb
+            return self.engine.kv_cache_gb
+        total = self.engine.kv_cache_gb
         if total is None:
             import torch
 

@@ -144,7 +144,7 @@ def _jobs(config: EvalConfig, prompts: dict[str, list[list[int]]]) -> list[_Job]
                 max_num_seqs=max(sweep.concurrency),
                 ignore_eos=config.ignore_eos,
                 dtype=config.dtype,
-                max_model_len=config.max_model_len,
+                max_model_len=config.engine.max_model_len,
                 seed=config.seed,
                 enforce_eager=sweep.enforce_eager,
             )
@@ -266,7 +266,7 @@ class _Workers:
         if key not in self.workers:
             log = f"vllm_worker-{len(self.workers)}.log" if self.separate else "vllm_worker.log"
             self.workers[key] = VllmWorker(
-                self.out_dir / log, self.config.in_process, self.kv_cache_gb
+                self.out_dir / log, self.config.engine.in_process, self.kv_cache_gb
             )
         if self.previous is not None and self.previous[0] != key:
             time.sleep(max(0.0, self.previous[1] + VLLM_BUSY_LOOP_S + 0.1 - time.monotonic()))
@@ -368,7 +368,7 @@ def _unit_key(config: EvalConfig, unit: list[_Job], record: dict, in_turns: bool
             "prompt_set": job.prompt_set, "prompt_set_sha256": sets[job.prompt_set],
             "target_config_sha256": record["target"]["config_sha256"],
             "draft_sha256": drafts.get(job.engine.draft), "backend": config.backend,
-            "in_process": config.in_process, "kv_cache_gb": kv_cache_gb,
+            "in_process": config.engine.in_process, "kv_cache_gb": kv_cache_gb,
             "vllm": versions["vllm"], "torch": versions["torch"],
         }
         cells.append(cell_key(job.engine, setting))

@@ -22,7 +22,7 @@ DEFAULT_SLIDING_WINDOW = 2048
 class DraftConfig:
     """The ``draft`` section: the draft's shape, vocabulary, mask token and first weights."""
 
-    num_layers: int = setting(1, "Number of draft decoder layers.")
+    num_layers: int = setting(1, "Number of draft decoder layers.", card=True)
     draft_arch: str = setting("llama", "Draft decoder layer type.", choices=("llama", "qwen3"))
     draft_vocab_size: int = setting(
         DEFAULT_DRAFT_VOCAB_SIZE, "Draft vocabulary size (d2t/t2d from token_freq.pt)."
@@ -49,6 +49,7 @@ class DraftConfig:
         "Initial draft: random (speculators'), or verifier: fc passes the deepest aux state "
         "through and the draft layers start as the verifier layers that follow it.",
         choices=("random", "verifier"),
+        card=True,
     )
     norm_before_residual: bool = setting(False, "Normalise before the residual (vLLM's default).")
     embed_requires_grad: bool = setting(False, "Train the token embedding too.")
@@ -58,6 +59,7 @@ class DraftConfig:
         "speculators' save_pretrained output): its weights, with a fresh optimizer and "
         "schedule from step 0; its layers, draft vocabulary, aux layer ids and target hidden "
         "size must match this run's. Local directories only. Resuming a run is --resume.",
+        path=True,
     )
     num_speculative_tokens: int | None = setting(
         None,
@@ -109,7 +111,7 @@ def build_peagle_draft(config, *, d2t, t2d, target_layer_ids, mask_token_id):
 
     register_with_speculators()
     draft_config, verifier = config.draft, config.verifier.verifier_name_or_path
-    depths = config.peagle.num_depths
+    depths = config.peagle.cod.num_depths
     num_layers = draft_config.num_layers
     window = draft_config.sliding_window
     full = range(num_layers) if window is None else draft_config.full_attention_indices

@@ -21,7 +21,9 @@ from ..common.settings import setting
 class VerifierConfig:
     """The ``verifier`` section: the target model whose drafts are trained."""
 
-    verifier_name_or_path: str = setting("", "Local directory of the target (verifier) model.")
+    verifier_name_or_path: str = setting(
+        "", "Local directory of the target (verifier) model.", path=True
+    )
 
 
 def eos_token_ids(tokenizer, generation_config) -> list[int]:

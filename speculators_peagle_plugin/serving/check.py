@@ -9,7 +9,7 @@ each with its fix; :func:`~.export.export_checkpoint` applies the mechanical fix
 Each rule is a function of the :class:`~.check_config.CheckedDraft` being checked that
 returns its findings: the config rules (:mod:`.check_config`), then the weights
 (:mod:`.check_weights`), the target (:mod:`.check_target`) and the model card
-(:mod:`.model_card`); :data:`_RULES` lists them in
+(:mod:`.check_card`); :data:`_RULES` lists them in
 report order. A gate's finding ends the check, because what follows cannot be judged
 without what it found missing.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..common.errors import UserError
 from ..common.settings import Settings, setting
+from .check_card import card_findings
 from .check_config import CONFIG_GATES, CONFIG_RULES, LAYER_TYPES, CheckedDraft, Rule
 from .check_target import check_target
 from .check_weights import check_weights
@@ -38,7 +39,6 @@ from .draft_checkpoint import (
     resolve_target,
     trained_depths,
 )
-from .model_card import card_findings
 
 __all__ = [
     "CPU_HEAD_DIMS",

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ..common.errors import UserError
 from ..common.reading import load_safetensors, read_json, safetensors_problem
+from ..model.speculators_config import declared_k, is_int, object_at
 
 PREFIX = "model."  # a prefix vLLM adds itself; saved names must not carry it
 VERIFIER_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")  # training-only weights
@@ -109,10 +110,6 @@ def resolve_target(ckpt: DraftCheckpoint, target_dir: str | Path | None) -> Path
     return None
 
 
-def object_at(config: dict, key: str) -> dict:
-    """``config[key]`` when it is a JSON object, else an empty one (missing, null, a list)."""
-    value = config.get(key)
-    return value if isinstance(value, dict) else {}
 
 
 def target_config(target_dir: Path):
@@ -138,13 +135,6 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def declared_k(config: dict) -> int | None:
-    """The ``speculative_tokens`` (K) a checkpoint config declares for serving, or ``None``."""
-    try:
-        k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    except (KeyError, IndexError, TypeError):
-        return None
-    return k if is_int(k) and k >= 1 else None
 
 
 def trained_depths(config: dict) -> int | None:
@@ -154,9 +144,6 @@ def trained_depths(config: dict) -> int | None:
     return depths if is_int(depths) and depths >= 1 else declared_k(config)
 
 
-def is_int(value) -> bool:
-    """A JSON integer (``true`` is a bool in Python, not an id or a count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def usable_mask_token_id(config: dict) -> int | None:

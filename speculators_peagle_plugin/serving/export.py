@@ -24,6 +24,7 @@ from ..common.errors import UserError
 from ..common.files import atomic_directory
 from ..common.reading import read_json
 from ..common.settings import setting
+from ..model.model_card import check_base_model, read_card, write_model_card
 from .check import ServedDraft, run_rules
 from .draft_checkpoint import (
     DEFAULT_AUX_LAYERS,
@@ -38,7 +39,6 @@ from .draft_checkpoint import (
     object_at,
     resolve_target,
 )
-from .model_card import check_base_model, read_card, write_model_card
 
 __all__ = ["export_checkpoint"]
 

@@ -25,13 +25,15 @@ class TrainerModule(Protocol):
 
     ``generator`` is set by the loop before each step: the step's random draws (COD
     sampling, for P-EAGLE) come from it, so a step is a pure function of its seed.
-    ``segments(batch)`` lists the step's forwards, each back-propagated on its own
-    (``[None]``: one forward over the batch). ``forward_batch(batch, segment)`` returns
-    metrics with ``loss`` (grad-carrying), ``loss_sum``, ``total_den``, and ``[K]``
-    ``correct`` / ``valid`` counts.
+    ``num_depths`` is ``K``, the length of the per-depth counts. ``segments(batch)`` lists
+    the step's forwards, each back-propagated on its own (``[None]``: one forward over the
+    batch). ``forward_batch(batch, segment)`` returns metrics with ``loss``
+    (grad-carrying), ``loss_sum``, ``total_den``, and ``[K]`` ``correct`` / ``valid``
+    counts.
     """
 
     generator: torch.Generator | None
+    num_depths: int
 
     def segments(self, batch: dict) -> list: ...
 

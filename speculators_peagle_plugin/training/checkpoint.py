@@ -11,7 +11,6 @@ import logging
 import shutil
 from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,38 +19,22 @@ from torch import nn
 from ..common.errors import UserError
 from ..common.files import atomic_directory
 from ..common.paths import check_free_space, writing
-from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors, read_json
+from ..common.reading import UnreadableFile, load_plain_torch, load_safetensors
 from ..common.settings import (
-    check_finite,
     check_int_at_least,
-    check_optional_ints,
+    keys_with,
     leaves,
     setting,
 )
-from ..data.layout import SETTINGS_FILE
 from ..data.prompts import resolved_spec
-from ..serving.model_card import write_model_card
-from .distributed import World, sharded
-from .online import online_data_path
-
-if TYPE_CHECKING:
-    from .train_config import TrainConfig
+from ..model.model_card import write_model_card
+from .distributed import RuntimeConfig, World, sharded
 
 CHECKPOINT_PREFIX = "checkpoint-"
 RESUME_ADVICE = (
     "free some space or choose another --save-path, then run the same command again to resume"
 )
 STATE_FILE = "training_state.pt"
-# Fields that may change between a run and its resumption; any other change is refused.
-RESUMABLE_CHANGES = frozenset(
-    {"max_steps", "epochs", "resume", "no_resume_from_checkpoint", "log_freq",
-     "checkpoint_freq", "device", "keep_checkpoints", "save_path", "early_stop_patience",
-     # where and how patiently rows' states are fetched, not which states they are
-     "vllm_endpoint", "on_generate", "request_timeout", "max_retries",
-     "generation_validation_retries", "max_consecutive_generation_failures"}
-)
-# Compared after resolving: the same directory, however it is spelled, is no change.
-PATH_FIELDS = frozenset({"verifier_name_or_path", "data_path", "from_pretrained"})
 # The draft's keys inside the wrapped StepModule's state dict.
 _DRAFT_PREFIX = "trainer_module.draft."
 
@@ -59,36 +42,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """The ``trainer`` section: how long to train, where checkpoints go, what to resume."""
+class CheckpointConfig:
+    """Where checkpoints go, how many stay, and what a run resumes (the ``trainer`` group's
+    part that checkpointing reads)."""
 
     save_path: str = setting(
-        "./checkpoints", "Directory for checkpoints and the metrics log.", output=True
+        "./checkpoints", "Directory for checkpoints and the metrics log.", output=True,
+        resumable=True,
     )
-    epochs: int = setting(20, "Passes over the data.")
-    max_steps: int | None = setting(None, "Stop after this many optimizer steps.")
-    checkpoint_freq: float = setting(
-        1.0, "Checkpoint every N epochs (< 1: several times per epoch)."
-    )
-    keep_checkpoints: int = setting(2, "How many of the newest checkpoints to keep.")
-    early_stop_patience: int | None = setting(
-        None,
-        "With validation (--validation-data-path or --train-data-ratio below 1): stop once "
-        "this many checkpoints in a row have not beaten the best estimated acceptance.",
-    )
-    save_best: bool | None = setting(
-        None,
-        "With validation (--validation-data-path or --train-data-ratio below 1): keep the "
-        "checkpoint of the best estimated acceptance in SAVE/best and return it; false: "
-        "score every checkpoint but keep no copy, and return the last one. Default: on "
-        "whenever there is validation (speculators' default is false, and it ranks by "
-        "validation loss).",
-        show="on with validation",
+    keep_checkpoints: int = setting(
+        2, "How many of the newest checkpoints to keep.", resumable=True
     )
     no_resume_from_checkpoint: bool = setting(
-        False, "Start fresh even if save_path holds a checkpoint.", switch=True
+        False, "Start fresh even if save_path holds a checkpoint.", switch=True, resumable=True
     )
-    resume: str | None = setting(None, "Resume from this checkpoint directory.")
+    resume: str | None = setting(
+        None, "Resume from this checkpoint directory.", resumable=True
+    )
 
     def __post_init__(self) -> None:
         if Path(self.save_path).is_file():
@@ -96,10 +66,7 @@ class TrainerConfig:
                 f"--save-path {self.save_path} is a file, not a directory; choose a new or "
                 "empty directory, or the save path of the run to resume."
             )
-        check_int_at_least("epochs", self.epochs, 1)
         check_int_at_least("keep_checkpoints", self.keep_checkpoints, 1)
-        check_optional_ints(self, {"max_steps": 1, "early_stop_patience": 1})
-        check_finite("checkpoint_freq", self.checkpoint_freq, 0)
 
 
 def checkpoint_dirs(save_path: Path) -> list[Path]:
@@ -118,8 +85,8 @@ def _full_state_options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def _model_state(wrapped: nn.Module, draft: nn.Module, config: TrainConfig, world: World):
-    if sharded(config.runtime, world):
+def _model_state(wrapped: nn.Module, draft: nn.Module, runtime: RuntimeConfig, world: World):
+    if sharded(runtime, world):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         full = get_model_state_dict(wrapped, options=_full_state_options(cpu_offload=True))
@@ -127,10 +94,10 @@ def _model_state(wrapped: nn.Module, draft: nn.Module, config: TrainConfig, worl
     return {k: v.detach().cpu() for k, v in draft.state_dict().items()}
 
 
-def _optim_state(wrapped, optimizers, config: TrainConfig, world: World):
+def _optim_state(wrapped, optimizers, runtime: RuntimeConfig, world: World):
     """Sharded: one full state of all the optimizers, keyed by parameter name (how
     ``set_optimizer_state_dict`` reads it back); else :meth:`Optimizers.state_dict`."""
-    if sharded(config.runtime, world):
+    if sharded(runtime, world):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(
@@ -175,23 +142,27 @@ def save_checkpoint(
     draft: nn.Module,
     optimizers,
     schedulers,
-    config: TrainConfig,
+    config,
     world: World,
+    made: dict,
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically (complete, or not there); keep the newest few.
 
-    Every rank takes part in gathering a sharded state; rank 0 writes. A write that fails
-    for lack of space leaves nothing behind (the older checkpoints stay) and raises
+    ``config``: the run's settings (a ``TrainConfig``: recorded whole for the resumption's
+    comparison, its ``runtime`` and ``trainer`` sections read); ``made``: the model card's
+    account of the checkpoint (:func:`~.provenance.how_it_was_made`). Every rank takes part
+    in gathering a sharded state; rank 0 writes. A write that fails for lack of space leaves
+    nothing behind (the older checkpoints stay) and raises
     :class:`~..common.errors.DiskFull` saying what it needed.
     """
-    model_state = _model_state(wrapped, draft, config, world)
-    optim_state = _optim_state(wrapped, optimizers, config, world)
+    model_state = _model_state(wrapped, draft, config.runtime, world)
+    optim_state = _optim_state(wrapped, optimizers, config.runtime, world)
     final = save_path / f"{CHECKPOINT_PREFIX}{step}"
     if world.rank == 0:
         need = _nbytes(model_state) + _nbytes(optim_state)
         with writing(final, "a checkpoint", need, RESUME_ADVICE), atomic_directory(final) as tmp:
             draft.save_pretrained(tmp, state_dict=model_state)
-            write_model_card(tmp, _how_it_was_made(config, step), location=final)
+            write_model_card(tmp, made, location=final)
             state = {
                 "step": step,
                 "optimizer": optim_state,
@@ -200,20 +171,10 @@ def save_checkpoint(
                 "torch_rng": torch.get_rng_state(),
             }
             torch.save(state, tmp / STATE_FILE)
-        for old in checkpoint_dirs(save_path)[: -config.trainer.keep_checkpoints]:
+        for old in checkpoint_dirs(save_path)[: -config.trainer.checkpoints.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier()
     return final
-
-
-def _how_it_was_made(config: TrainConfig, step: int) -> dict:
-    """The model card's account of a checkpoint: its data's generation settings (from the
-    data directory, or the replies ``--online --prompts`` generated), recipe and steps."""
-    made = {"steps": step, "data_path": config.data.data_path or None, "recipe": config.to_dict()}
-    settings = online_data_path(config) / SETTINGS_FILE
-    if (config.online.prompts or config.data.data_path) and settings.is_file():
-        made["data"] = read_json(settings)
-    return made
 
 
 @dataclass
@@ -233,7 +194,7 @@ def read_checkpoint(path: Path) -> ResumePoint:
     return ResumePoint(path, state, load_safetensors(path / "model.safetensors"))
 
 
-def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
+def _resume_point(config: CheckpointConfig, save_path: Path) -> ResumePoint | None:
     if config.resume:
         path = Path(config.resume)
         if not (path / STATE_FILE).exists():
@@ -256,13 +217,14 @@ def _resume_point(config: TrainerConfig, save_path: Path) -> ResumePoint | None:
     return None
 
 
-def resume_point(config: TrainConfig, save_path: Path, world: World) -> ResumePoint | None:
+def resume_point(config, save_path: Path, world: World) -> ResumePoint | None:
     """The checkpoint to resume from, read, or None: rank 0 picks it, the others read it.
 
     ``--resume DIR`` must load; otherwise the newest checkpoint in ``save_path`` that loads
-    (a damaged one is skipped with a warning). Its settings are checked against ``config``.
+    (a damaged one is skipped with a warning). Its settings are checked against ``config``
+    (the run's settings, a ``TrainConfig``: its ``trainer`` section says what to resume).
     """
-    point = _resume_point(config.trainer, save_path) if world.rank == 0 else None
+    point = _resume_point(config.trainer.checkpoints, save_path) if world.rank == 0 else None
     if world.distributed:
         holder = [str(point.path) if point else ""]
         dist.broadcast_object_list(holder, src=0)
@@ -273,28 +235,42 @@ def resume_point(config: TrainConfig, save_path: Path, world: World) -> ResumePo
     return point
 
 
-def _comparable(name: str, value):
-    if name in PATH_FIELDS and value:
-        return str(Path(value).resolve())
-    if name == "prompts" and value:  # a prompt-set spec whose source may be a file
-        return resolved_spec(value)
-    return list(value) if isinstance(value, tuple) else value
+def changed_settings(cls, recorded: dict, current: dict) -> list[str]:
+    """The keys, sorted, of the settings of config class ``cls`` whose ``current`` value
+    differs from the checkpoint's ``recorded`` one, where a resumption must keep it.
 
+    A setting's metadata says how (:func:`~..common.settings.setting`): a ``resumable`` one
+    may change (how long, how often, where to); a ``path`` is compared resolved, so the
+    same directory however spelled is no change; a ``prompts`` spec with its sources
+    resolved. A setting the checkpoint does not record is younger than it: its run had the
+    setting's default (an AdamW checkpoint of before ``--optimizer`` existed resumes only
+    as adamw); a key recorded that ``cls`` no longer has differs unless it was None.
 
-def _check_resumable(point: ResumePoint, config: TrainConfig) -> None:
-    """Refuse, in one sentence, a resumption whose settings differ from the checkpoint's.
-
-    A setting the checkpoint does not record is younger than it: its run had the setting's
-    default (an AdamW checkpoint of before ``--optimizer`` existed resumes only as adamw).
+    Example: ``changed_settings(TrainConfig, {"lr": 0.1, "epochs": 3}, {"lr": 0.2,
+    "epochs": 9, ...})`` -> ``["lr"]``.
     """
-    current = config.to_dict()
-    defaults = {leaf.key: leaf.default for leaf in leaves(type(config))}
-    recorded = {k: v for k, v in defaults.items() if v is not MISSING} | point.state["config"]
-    changed = sorted(
-        k
-        for k, v in recorded.items()
-        if k not in RESUMABLE_CHANGES and _comparable(k, current.get(k)) != _comparable(k, v)
+    defaults = {leaf.key: leaf.default for leaf in leaves(cls)}
+    recorded = {k: v for k, v in defaults.items() if v is not MISSING} | recorded
+    resumable = set(keys_with(cls, "resumable"))
+    paths, prompts = set(keys_with(cls, "path")), set(keys_with(cls, "prompts"))
+
+    def comparable(key: str, value):
+        if key in paths and value:
+            return str(Path(value).resolve())
+        if key in prompts and value:  # a prompt-set spec whose source may be a file
+            return resolved_spec(value)
+        return list(value) if isinstance(value, tuple) else value
+
+    return sorted(
+        k for k, v in recorded.items()
+        if k not in resumable and comparable(k, current.get(k)) != comparable(k, v)
     )
+
+
+def _check_resumable(point: ResumePoint, config) -> None:
+    """Refuse, in one sentence, a resumption whose settings differ from the checkpoint's
+    (:func:`changed_settings`)."""
+    changed = changed_settings(type(config), point.state["config"], config.to_dict())
     if changed:
         raise UserError(
             f"Cannot resume from {point.path}: it was trained with different "

@@ -28,8 +28,11 @@ class RuntimeConfig:
         "Mixed precision: forward matmuls in this dtype under torch.autocast, weights and "
         "optimizer state in float32 (speculators' trainer autocasts to bfloat16).",
         choices=("none", "bfloat16"),
+        card=True,
     )
-    device: str = setting("cpu", "cpu, cuda or cuda:N (under torchrun: each rank's local GPU).")
+    device: str = setting(
+        "cpu", "cpu, cuda or cuda:N (under torchrun: each rank's local GPU).", resumable=True
+    )
     fsdp: bool = setting(False, "Shard the draft with FSDP2 under torchrun (large drafts).")
 
     def __post_init__(self) -> None:

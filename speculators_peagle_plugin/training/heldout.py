@@ -70,7 +70,7 @@ def heldout_metrics(
         data, config.data.total_seq_len, seed=seed, samples=samples, rank=0, world_size=1,
         hidden_states_dtype=states_dtype,
     )
-    k = config.peagle.num_depths
+    k = module.num_depths
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct, valid = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     for step in range(len(batches)):

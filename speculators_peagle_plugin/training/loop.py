@@ -19,7 +19,6 @@ resume), :mod:`.progress` (records, the log, signals).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from ..common.errors import UserError, memory_for
 from ..common.files import remove_stale_temporaries
 from ..common.lock import exclusive_directory
 from ..data import PackedBatches
+from . import heldout
 from .checkpoint import ResumePoint, check_checkpoint_space, load_checkpoint, save_checkpoint
 from .distributed import StepModule, World, env_rank, process_group_of_run, wrap
 from .online import prepare_cache
@@ -49,7 +49,9 @@ from .progress import (
     reduce_record,
     trim_metrics_log,
 )
+from .provenance import how_it_was_made
 from .run_data import RunData, open_run_data
+from .schedule import Cadence
 from .step import gradient_norm, to_device, train_step
 from .trackers import Trackers, check_trackers_installed
 from .train_config import TrainConfig
@@ -136,10 +138,7 @@ def _build(config: TrainConfig, world: World, start: WeightsStart, run_data: Run
             f"{config.data.data_path} gives no training step for {world.size} rank(s); "
             "it needs at least one training sample per rank."
         )
-    trainer = config.trainer
-    total = trainer.epochs * len(batches)
-    if trainer.max_steps is not None:
-        total = min(total, trainer.max_steps)
+    total = config.trainer.schedule.total_steps(len(batches))
     if config.online.online:
         prepare_cache(run_data.data, world)
     schedulers = build_schedulers(optimizers, config.scheduler, total)
@@ -176,7 +175,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> Path:
     arrives, and ``ValueError`` when the loss or gradient norm stops being finite. Under
     torchrun it destroys the process group it made when it returns or is interrupted.
     """
-    save_path = Path(config.trainer.save_path)
+    save_path = Path(config.trainer.checkpoints.save_path)
     check_trackers_installed(config.logging)
     with (
         exclusive_directory(save_path, "training run", hold=env_rank() == 0),
@@ -191,8 +190,9 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     setup = build_training(config, save_path)
     start, saved = _resume(setup, save_path)
     steps_per_epoch = len(setup.batches)
-    cadence = Cadence.of(config, steps_per_epoch, setup.total_steps)
-    validation = Validation.of_run(config, save_path, start, setup.world, setup.heldout_samples)
+    cadence = Cadence.of(config.trainer.schedule, config.logging, steps_per_epoch,
+                         setup.total_steps)
+    validation = _validation(config, save_path, start, setup.world, setup.heldout_samples)
     on_grid = cadence.on_grid(start)
     if validation is not None and validation.resume(saved, start, start / steps_per_epoch, on_grid):
         return validation.best_dir if validation.keeps_best else saved  # it stopped early before
@@ -202,32 +202,6 @@ def _train(config: TrainConfig, save_path: Path, progress: bool) -> Path:
     if saved is None:  # resumed from a finished run: nothing left to do
         raise UserError(f"{save_path} holds no checkpoint to return.")
     return saved
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """When a run logs and saves, by the steps done: a record every ``log_freq`` steps, a
-    checkpoint (then its validation) every ``every`` steps and after the last; both when a
-    signal stops the run."""
-
-    log_freq: int
-    every: int
-    total: int
-
-    @classmethod
-    def of(cls, config: TrainConfig, steps_per_epoch: int, total: int) -> Cadence:
-        every = max(1, math.floor(config.trainer.checkpoint_freq * steps_per_epoch))
-        return cls(config.logging.log_freq, every, total)
-
-    def on_grid(self, done: int) -> bool:
-        """A checkpoint after ``done`` steps is one of the grid's (not a signal's)."""
-        return done % self.every == 0 or done == self.total
-
-    def logs(self, done: int, stop: bool) -> bool:
-        return stop or done % self.log_freq == 0
-
-    def saves(self, done: int, stop: bool) -> bool:
-        return stop or self.on_grid(done)
 
 
 def _resume(setup: TrainingSetup, save_path: Path) -> tuple[int, Path | None]:
@@ -249,6 +223,23 @@ def _resume(setup: TrainingSetup, save_path: Path) -> tuple[int, Path | None]:
     if world.rank == 0:
         trim_metrics_log(save_path / METRICS_FILE, start)
     return start, saved
+
+
+def _validation(config: TrainConfig, save_path: Path, resumed_step: int, world: World,
+                heldout_samples: tuple[int, ...] | None) -> Validation | None:
+    """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
+    samples; None without either."""
+    if config.data.validation_data_path:
+        data_path, samples = config.data.validation_data_path, None
+    elif heldout_samples:
+        data_path, samples = config.data.data_path, heldout_samples
+    else:
+        return None
+
+    def score(checkpoint: Path) -> dict:
+        return heldout.heldout_metrics(checkpoint, config, data_path, samples=samples)
+
+    return Validation(config.trainer.validation, score, save_path, resumed_step, world)
 
 
 @dataclass
@@ -325,7 +316,7 @@ def _run_steps(setup: TrainingSetup, save_path: Path, start: int, saved: Path | 
                 saved = save_checkpoint(
                     save_path, done, wrapped=setup.wrapped, draft=setup.draft,
                     optimizers=setup.optimizers, schedulers=setup.schedulers,
-                    config=config, world=world,
+                    config=config, world=world, made=how_it_was_made(config, done),
                 )
                 if validation is not None and not stop_now:
                     stop_early = validation.score(saved, done, done / len(setup.batches))

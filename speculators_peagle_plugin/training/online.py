@@ -1,5 +1,7 @@
-"""Online training's data: token ids (given, or the target's replies generated first) whose
-hidden states the target computes as each batch is read (:mod:`..datagen.online_states`).
+"""Online training's settings (the ``online`` section) and its states cache: token ids
+(given, or the target's replies generated first) whose hidden states the target computes as
+each batch is read (:mod:`..datagen.online_states`); a run's online data is opened by
+:mod:`.online_data`.
 
 When to choose it (docs/training.md, "Online or offline"): online pays a target forward per
 sample per epoch (less with ``--online-cache``) and keeps the target in memory beside the
@@ -13,26 +15,15 @@ import logging
 import math
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
 
 from ..common.dtypes import DTYPE_NAMES
 from ..common.errors import UserError
-from ..common.reading import read_json
 from ..common.settings import check_choices, fail, section, setting
-from ..data import TrainingData, default_target_layer_ids, open_training_data
-from ..data.layout import SETTINGS_FILE
-from ..data.prompts import prompt_source_exists, resolved_spec
-from ..datagen.build_data import generate_replies
-from ..datagen.datagen_config import DataGenConfig, ReplyConfig
-from ..datagen.online_states import CACHE_DIR, CACHE_KINDS, CacheSettings, OnlineHiddenStates
-from ..model.target import load_target_model
+from ..data import TrainingData
+from ..data.prompts import prompt_source_exists
+from ..datagen.datagen_config import ReplyConfig
+from ..datagen.online_states import CACHE_KINDS
 from .distributed import World
-
-if TYPE_CHECKING:
-    from .train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +44,7 @@ class OnlineConfig:
         None,
         "With --online, instead of --data-path: a prompt set as generate-data --prompts takes "
         "it; the target's replies are generated first into SAVE/replies (a rerun reuses them).",
+        prompts=True,
     )
     target_dtype: str = setting(
         "float32",
@@ -105,73 +97,6 @@ class OnlineConfig:
             for f in fields(self.replies):
                 if getattr(self.replies, f.name) != f.default:
                     yield keys.get(f.name, f.name), "prompts"
-
-
-def online_data_path(config: TrainConfig) -> Path:
-    """``--data-path``, or where ``--prompts`` keeps its replies."""
-    if config.online.prompts:
-        return Path(config.trainer.save_path) / REPLIES_DIR
-    return Path(config.data.data_path)
-
-
-def online_layer_ids(config: TrainConfig, verifier_config) -> tuple[int, ...]:
-    """The aux layers the target's states are taken from: the flag's, else those the token
-    data records (``generate-data``'s settings, as offline training defaults to), else
-    vLLM's ``(2, N//2, N-3)``; each in ``[0, N]`` (``N``: the state after the last layer)."""
-    n = verifier_config.num_hidden_layers
-    settings = online_data_path(config) / SETTINGS_FILE
-    recorded = read_json(settings).get("target_layer_ids") if settings.is_file() else None
-    layer_ids = tuple(config.draft.target_layer_ids or recorded or default_target_layer_ids(n))
-    if not all(0 <= i <= n for i in layer_ids):
-        raise UserError(
-            f"--target-layer-ids must be integers in [0, {n}] for this {n}-layer target, "
-            f"got {list(layer_ids)}."
-        )
-    return layer_ids
-
-
-def reply_config(config: TrainConfig, layer_ids, device: torch.device) -> DataGenConfig:
-    """``generate-data``'s settings for the replies of ``--prompts`` (kept in SAVE/replies)."""
-    return DataGenConfig(
-        target=config.verifier.verifier_name_or_path, prompts=config.online.prompts,
-        output=str(online_data_path(config)), replies=config.online.replies,
-        target_layer_ids=tuple(layer_ids), draft_vocab_size=config.draft.draft_vocab_size,
-        seed=config.seed, dtype=config.online.target_dtype, device=str(device),
-    )
-
-
-def open_online_data(config: TrainConfig, layer_ids, world: World) -> TrainingData:
-    """The run's token data, opened with the target (on this rank's device) as its source of
-    hidden states.
-
-    With ``--prompts`` rank 0 first writes the target's replies to SAVE/replies (resumable:
-    a rerun finds them complete and generates nothing) while the other ranks wait at a
-    barrier (the process group's timeout bounds that wait). Every rank then loads its own
-    copy of the target and computes the states of its own rows only.
-    """
-    data_path, online = online_data_path(config), config.online
-    verifier = config.verifier.verifier_name_or_path
-    if online.prompts:
-        if world.rank == 0:
-            generate_replies(reply_config(config, layer_ids, world.device))
-        world.barrier()
-    model = load_target_model(verifier, getattr(torch, online.target_dtype), world.device)
-    # What the disk cache's states depend on; another value empties it (datagen/online_states.py).
-    key = {
-        "target": str(Path(verifier).resolve()),
-        "target_dtype": online.target_dtype,
-        "layer_ids": list(layer_ids),
-        "data": str(data_path.resolve()),
-        "prompts": resolved_spec(online.prompts) if online.prompts else None,
-    }
-    cache = CacheSettings(
-        online.online_cache, online.online_cache_gib * 2**30,
-        Path(config.trainer.save_path) / CACHE_DIR, key,
-    )
-    states = OnlineHiddenStates(model, layer_ids, cache)
-    return open_training_data(
-        data_path, draft_vocab_size=config.draft.draft_vocab_size, online=states
-    )
 
 
 def prepare_cache(data: TrainingData, world: World) -> None:

@@ -45,11 +45,14 @@ class OptimizerConfig:
         "speculators' default is muon; ours stays adamw until an A/B on served acceptance "
         "shows muon better (python -m eval.ablate --variant adamw --variant muon optimizer=muon).",
         choices=("adamw", "muon"),
+        card=True,
     )
-    lr: float = setting(1e-3, "AdamW learning rate (with --optimizer muon: of the AdamW part).")
+    lr: float = setting(
+        1e-3, "AdamW learning rate (with --optimizer muon: of the AdamW part).", card=True
+    )
     weight_decay: float = setting(0.01, "AdamW weight decay.")
     muon_lr: float | None = setting(
-        None, "Muon's learning rate (--optimizer muon); unset: --lr.", show="--lr"
+        None, "Muon's learning rate (--optimizer muon); unset: --lr.", show="--lr", card=True
     )
     muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov), in [0, 1).")
     muon_weight_decay: float = setting(0.1, "Muon's weight decay.")

@@ -82,11 +82,17 @@ class PEagleTrainerModule(torch.nn.Module):
         greedy_chains: bool = False,
     ):
         super().__init__()
-        self.peagle = PEagleConfig(
-            num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors,
-            sequence_partitions, greedy_chains,
+        cod = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
+        self._attach(
+            draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+            PEagleConfig(cod, sequence_partitions, greedy_chains),
+            LossConfig(hard_label_weight, tv_weight), generator,
         )
-        self.loss_config = LossConfig(hard_label_weight, tv_weight)
+
+    def _attach(self, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+                peagle: PEagleConfig, loss: LossConfig, generator) -> None:
+        """Check and hold the draft, its vocabulary map, the mask id and the sections."""
+        self.peagle, self.loss_config = peagle, loss
         if not isinstance(getattr(draft_model, "mask_hidden", None), torch.nn.Parameter):
             raise ValueError(
                 "draft_model has no learnable mask_hidden parameter; P-EAGLE needs a draft "
@@ -117,27 +123,35 @@ class PEagleTrainerModule(torch.nn.Module):
         )
 
     @classmethod
+    def from_sections(cls, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+                      peagle: PEagleConfig, loss: LossConfig | None = None, *,
+                      generator: torch.Generator | None = None) -> PEagleTrainerModule:
+        """The module for a ``peagle`` and a ``loss`` section, taken whole (the seed's
+        arguments are their knobs one by one)."""
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        module._attach(draft_model, selected_token_ids, selected_token_mask, mask_token_id,
+                       peagle, loss or LossConfig(), generator)
+        return module
+
+    @classmethod
     def from_config(cls, draft_model, selected_token_ids, selected_token_mask, mask_token_id,
                     config) -> PEagleTrainerModule:
         """The module for a config's ``peagle`` and ``loss`` sections (a TrainConfig's)."""
-        p, loss = config.peagle, config.loss
-        return cls(
-            draft_model, selected_token_ids, selected_token_mask, p.num_depths, mask_token_id,
-            p.down_sample_ratio, p.down_sample_ratio_min, p.sequence_partitions,
-            max_anchors=p.max_anchors, greedy_chains=p.greedy_chains,
-            hard_label_weight=loss.hard_label_weight, tv_weight=loss.tv_weight,
-        )
+        return cls.from_sections(draft_model, selected_token_ids, selected_token_mask,
+                                 mask_token_id, config.peagle, config.loss)
 
     @property
     def num_depths(self) -> int:
-        return self.peagle.num_depths
+        """``K``: the depths trained, the length of the per-depth counts."""
+        return self.peagle.cod.num_depths
 
     # ---- batch plumbing ------------------------------------------------------
 
     def _sample_row(self, loss_mask_row, doc_row, greedy_row=None):
         """The row's COD elements ``(anchor_pos, depth)``; ``greedy_row`` ``[L]`` (from
         :meth:`greedy_steps`) keeps the rollouts on the target's greedy path."""
-        p = self.peagle
+        p = self.peagle.cod
         return generate_cod_sample_indices(
             doc_row.shape[0], loss_mask_row, p.num_depths, p.down_sample_ratio,
             p.down_sample_ratio_min, document_ids=doc_row, max_anchors=p.max_anchors,
@@ -232,7 +246,7 @@ class PEagleTrainerModule(torch.nn.Module):
             draft, sampled_ids, aux_row, orig_positions[:n0], orig_positions, masks, rows,
             targets, target_rows, self.loss_config,
         )
-        k = self.peagle.num_depths
+        k = self.num_depths
         with torch.no_grad():
             correct = torch.bincount(depth[rows], weights=hits.to(kl_sum.dtype), minlength=k)[:k]
             valid = torch.bincount(depth[rows], minlength=k)[:k].to(kl_sum.dtype)

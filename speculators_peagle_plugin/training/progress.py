@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,46 +16,8 @@ from ..common.errors import UserError
 from ..common.files import METRICS_FILE as METRICS_FILE  # the loop and tests read it here
 from ..common.files import atomic_write_text
 from ..common.paths import writing
-from ..common.settings import check_int_at_least, fail, setting
 from .distributed import World
 from .metrics import acceptance_length, depth_accuracy, pooled_accuracy
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """The ``logging`` section: how often a step's record goes to the metrics log, and the
-    metric trackers that get it too (speculators' ``logger`` / ``log_dir`` / ``run_name``,
-    through its :func:`speculators.train.logger.setup_metric_logger`; see :mod:`.trackers`)."""
-
-    log_freq: int = setting(1, "Write the metrics log (and the trackers) every N steps.")
-    logger: str = setting(
-        "", "Metric trackers as well as SAVE/metrics.jsonl, comma-separated: tensorboard, "
-        "wandb, trackio, mlflow (speculators' loggers; each needs its package).", show=None,
-    )
-    log_dir: str = setting(
-        "./logs", "Directory of the trackers' files (RUN_NAME under it).", output="logger"
-    )
-    run_name: str | None = setting(
-        None, "The trackers' run name; {time}, {utc_time}, {rank}, {local_rank} are filled "
-        "in.", show="the start time",
-    )
-
-    def __post_init__(self) -> None:
-        check_int_at_least("log_freq", self.log_freq, 1)
-        unknown = [n for n in self.trackers if n not in TRACKER_PACKAGES]
-        if unknown:
-            fail("logger", self.logger, f"a comma-separated list of {', '.join(TRACKER_PACKAGES)}")
-
-    @property
-    def trackers(self) -> list[str]:
-        """The tracker names of ``logger``, in order."""
-        return [n.strip() for n in self.logger.split(",") if n.strip()]
-
-
-# Tracker -> the module it needs (speculators' handlers import it at the first metric).
-TRACKER_PACKAGES = {
-    "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
-}
 
 
 class TrainingInterrupted(Exception):

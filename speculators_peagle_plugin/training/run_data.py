@@ -11,7 +11,7 @@ import torch
 from ..common.errors import UserError
 from ..data import default_target_layer_ids, open_training_data, split_samples
 from .distributed import World
-from .online import online_layer_ids, open_online_data
+from .online_data import online_layer_ids, open_online_data
 from .pretrained import check_pretrained_fits
 from .served import kept_samples, open_served_data
 from .train_config import TrainConfig

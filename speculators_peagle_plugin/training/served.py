@@ -18,7 +18,7 @@ from ..common.errors import UserError
 from ..data import TrainingData, hs_path, open_training_data
 from ..data.layout import HIDDEN_STATES_DIR, DataError
 from ..datagen.served_states import ServedHiddenStates, ServerUnreachable
-from .online import online_layer_ids
+from .online_data import online_layer_ids
 
 if TYPE_CHECKING:
     from .distributed import World

@@ -68,7 +68,7 @@ def train_step(
         segments += [StepModule.EMPTY] * (int(count) - len(segments))
     elif not segments:
         segments = [StepModule.EMPTY]
-    k = config.peagle.num_depths
+    k = module.num_depths
     stats = {
         "loss_sum": torch.zeros((), dtype=torch.float64),
         "total_den": torch.zeros((), dtype=torch.float64),

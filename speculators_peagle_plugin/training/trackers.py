@@ -10,15 +10,55 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 
 from ..common.errors import UserError
 from ..common.paths import writing
-from .progress import TRACKER_PACKAGES, LoggingConfig
+from ..common.settings import check_int_at_least, fail, setting
 
-__all__ = ["Trackers", "check_trackers_installed"]
+__all__ = ["LoggingConfig", "Trackers", "check_trackers_installed"]
 
 METRICS_LOGGER = "speculators.metrics"
 STEP_KEYS = ("loss", "accuracy", "acceptance_length", "lr", "grad_norm", "tokens_per_s")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The ``logging`` section: how often a step's record goes to the metrics log, and the
+    metric trackers that get it too (speculators' ``logger`` / ``log_dir`` / ``run_name``,
+    through its :func:`speculators.train.logger.setup_metric_logger`)."""
+
+    log_freq: int = setting(
+        1, "Write the metrics log (and the trackers) every N steps.", resumable=True
+    )
+    logger: str = setting(
+        "", "Metric trackers as well as SAVE/metrics.jsonl, comma-separated: tensorboard, "
+        "wandb, trackio, mlflow (speculators' loggers; each needs its package).", show=None,
+    )
+    log_dir: str = setting(
+        "./logs", "Directory of the trackers' files (RUN_NAME under it).", output="logger"
+    )
+    run_name: str | None = setting(
+        None, "The trackers' run name; {time}, {utc_time}, {rank}, {local_rank} are filled "
+        "in.", show="the start time",
+    )
+
+    def __post_init__(self) -> None:
+        check_int_at_least("log_freq", self.log_freq, 1)
+        unknown = [n for n in self.trackers if n not in TRACKER_PACKAGES]
+        if unknown:
+            fail("logger", self.logger, f"a comma-separated list of {', '.join(TRACKER_PACKAGES)}")
+
+    @property
+    def trackers(self) -> list[str]:
+        """The tracker names of ``logger``, in order."""
+        return [n.strip() for n in self.logger.split(",") if n.strip()]
+
+
+# Tracker -> the module it needs (speculators' handlers import it at the first metric).
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
+}
 
 
 def check_trackers_installed(config: LoggingConfig) -> None:

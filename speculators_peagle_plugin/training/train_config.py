@@ -13,8 +13,9 @@ generation  GenerationConfig            :mod:`..datagen.served_states`
 loss        LossConfig                  :mod:`..kernels.fused_kl`
 optimizer   OptimizerConfig             :mod:`.optim`
 scheduler   SchedulerConfig             :mod:`.optim`
-trainer     TrainerConfig               :mod:`.checkpoint`
-logging     LoggingConfig               :mod:`.progress`
+trainer     TrainerConfig               :mod:`.checkpoint`, :mod:`.schedule`,
+                                        :mod:`.validation` (one part each)
+logging     LoggingConfig               :mod:`.trackers`
 runtime     RuntimeConfig               :mod:`.distributed`
 peagle      PEagleConfig                :mod:`..core.peagle_config`
 ==========  ==========================  ==================================================
@@ -36,12 +37,25 @@ from ..datagen.served_states import GenerationConfig
 from ..kernels.fused_kl import LossConfig
 from ..model.build import DraftConfig
 from ..model.target import VerifierConfig
-from .checkpoint import TrainerConfig
+from .checkpoint import CheckpointConfig
 from .distributed import RuntimeConfig
 from .online import OnlineConfig
 from .optim import OptimizerConfig, SchedulerConfig
-from .progress import LoggingConfig
+from .schedule import ScheduleConfig
 from .speculators_keys import from_speculators
+from .trackers import LoggingConfig
+from .validation import ValidationConfig
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The ``trainer`` group: how long to train, where checkpoints go and what a run
+    resumes, what validation keeps; each part owned by the module that reads it, their keys
+    the group's own (``trainer: {epochs: 3}``, ``--epochs 3``)."""
+
+    checkpoints: CheckpointConfig = section(CheckpointConfig)
+    schedule: ScheduleConfig = section(ScheduleConfig)
+    validation: ValidationConfig = section(ValidationConfig)
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,9 @@ class TrainConfig(Settings):
     optimizer: OptimizerConfig = section(OptimizerConfig)
     scheduler: SchedulerConfig = section(SchedulerConfig)
     logging: LoggingConfig = section(LoggingConfig)
-    seed: int = setting(42, "Seed for initialisation, data order and COD sampling.")
+    seed: int = setting(
+        42, "Seed for initialisation, data order and COD sampling.", card=True
+    )
     runtime: RuntimeConfig = section(RuntimeConfig)
 
     @classmethod
@@ -82,10 +98,10 @@ class TrainConfig(Settings):
         if self.online.prompts is None and not self.data.data_path:
             instead = "; with --online, --prompts can stand in for it" if self.online.online else ""
             raise UserError(f"data_path is required (--data-path){instead}.")
-        served, depths = self.draft.num_speculative_tokens, self.peagle.num_depths
+        served, depths = self.draft.num_speculative_tokens, self.peagle.cod.num_depths
         if served is not None and served > depths:
             fail("num_speculative_tokens", served, f"an integer in [1, num_depths={depths}]")
-        warmup, steps = self.scheduler.scheduler_warmup_steps, self.trainer.max_steps
+        warmup, steps = self.scheduler.scheduler_warmup_steps, self.trainer.schedule.max_steps
         if warmup is not None and steps is not None and warmup > steps:
             raise UserError(
                 f"scheduler_warmup_steps {warmup} is more than max_steps {steps}: the "
@@ -104,11 +120,11 @@ class TrainConfig(Settings):
                 "score its held-out rows; with --online, give validation_data_path instead."
             )
         needs = "validation_data_path or a train_data_ratio below 1"
-        if self.trainer.early_stop_patience is not None and not self.validating:
+        if self.trainer.validation.early_stop_patience is not None and not self.validating:
             raise UserError(
                 f"early_stop_patience needs {needs}: held-out data to score each checkpoint on."
             )
-        if self.trainer.save_best and not self.validating:
+        if self.trainer.validation.save_best and not self.validating:
             raise UserError(
                 f"save_best needs {needs} (speculators' default is 0.9, ours 1: no split): "
                 "held-out data to rank the checkpoints by."

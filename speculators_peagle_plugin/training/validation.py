@@ -19,47 +19,73 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.files import atomic_directory, atomic_write_text
-from ..serving.model_card import read_card, write_model_card
-from . import heldout
+from ..common.settings import check_optional_ints, setting
+from ..model.model_card import read_card, write_model_card
 from .checkpoint import STATE_FILE
 from .distributed import World
-from .train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BEST_DIR", "VALIDATION_FILE", "Validation"]
+__all__ = ["BEST_DIR", "VALIDATION_FILE", "Validation", "ValidationConfig"]
 
 VALIDATION_FILE = "validation.jsonl"
 BEST_DIR = "best"
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """What validation does with its scores: keep the best checkpoint, stop early (the
+    ``trainer`` group's part that :class:`Validation` reads; the held-out data is the
+    ``data`` section's)."""
+
+    early_stop_patience: int | None = setting(
+        None,
+        "With validation (--validation-data-path or --train-data-ratio below 1): stop once "
+        "this many checkpoints in a row have not beaten the best estimated acceptance.",
+        resumable=True,
+    )
+    save_best: bool | None = setting(
+        None,
+        "With validation (--validation-data-path or --train-data-ratio below 1): keep the "
+        "checkpoint of the best estimated acceptance in SAVE/best and return it; false: "
+        "score every checkpoint but keep no copy, and return the last one. Default: on "
+        "whenever there is validation (speculators' default is false, and it ranks by "
+        "validation loss).",
+        show="on with validation",
+    )
+
+    def __post_init__(self) -> None:
+        check_optional_ints(self, {"early_stop_patience": 1})
 
 
 class Validation:
     """The validation records of one run (``SAVE/validation.jsonl``) and its best checkpoint.
 
     Args:
-        config: the run's settings (``early_stop_patience``, ``save_best``).
+        config: the ``trainer`` group's validation part (``early_stop_patience``,
+            ``save_best``).
+        score: a checkpoint's held-out metrics (``acceptance_length`` among them), e.g.
+            :func:`~.heldout.heldout_metrics` on the run's held-out data.
         save_path: the run's directory.
         resumed_step: the step the run continues from (0 for a fresh run); records of
             later steps are dropped.
-        data_path: the held-out data: ``validation_data_path``, or ``data_path`` with
-            ``samples`` its held-out sample indices (None: all of them).
     """
 
     def __init__(
         self,
-        config: TrainConfig,
+        config: ValidationConfig,
+        score: Callable[[Path], dict],
         save_path: Path,
         resumed_step: int,
         world: World,
-        data_path: str | Path,
-        samples: tuple[int, ...] | None = None,
     ):
-        self.config, self.world = config, world
-        self.data_path, self.samples = data_path, samples
-        self.keeps_best = config.trainer.save_best is not False
+        self.config, self.scorer, self.world = config, score, world
+        self.keeps_best = config.save_best is not False
         self.path = save_path / VALIDATION_FILE
         self.best_dir = save_path / BEST_DIR
         self.records: list[dict] = []
@@ -74,25 +100,6 @@ class Validation:
         if world.rank == 0:
             text = "".join(json.dumps(r) + "\n" for r in self.records)
             atomic_write_text(self.path, text)
-
-    @classmethod
-    def of_run(
-        cls,
-        config: TrainConfig,
-        save_path: Path,
-        resumed_step: int,
-        world: World,
-        heldout_samples: tuple[int, ...] | None,
-    ) -> Validation | None:
-        """The run's validation: on ``validation_data_path``, or on ``data_path``'s held-out
-        samples; None without either."""
-        if config.data.validation_data_path:
-            data_path, samples = config.data.validation_data_path, None
-        elif heldout_samples:
-            data_path, samples = config.data.data_path, heldout_samples
-        else:
-            return None
-        return cls(config, save_path, resumed_step, world, data_path, samples)
 
     def resume(self, checkpoint: Path | None, step: int, epoch: float, on_grid: bool) -> bool:
         """Score the checkpoint a run resumes from if a kill left it unscored; returns
@@ -122,7 +129,7 @@ class Validation:
 
     @property
     def should_stop(self) -> bool:
-        patience = self.config.trainer.early_stop_patience
+        patience = self.config.early_stop_patience
         return patience is not None and self.since_best >= patience
 
     @property
@@ -136,9 +143,7 @@ class Validation:
 
     def score(self, checkpoint: Path, step: int, epoch: float) -> bool:
         """Score ``checkpoint``; keep it as the best if it is; returns whether to stop."""
-        metrics = heldout.heldout_metrics(
-            checkpoint, self.config, self.data_path, samples=self.samples
-        )
+        metrics = self.scorer(checkpoint)
         record = {"step": step, "epoch": epoch, "checkpoint": checkpoint.name, **metrics}
         previous = self.best
         self.records.append(record)

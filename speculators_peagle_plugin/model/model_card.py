@@ -5,7 +5,7 @@ recipe that made it, what it accepts and how fast (the eval's table with its com
 the exact ``vllm serve`` line. The card is a model hub card: YAML front matter, then
 markdown. The front matter's ``peagle`` block states the config facts that matter when
 serving (K, layers, draft vocabulary, aux layers, mask token), so ``check`` can tell a card
-that no longer describes its checkpoint (:func:`card_findings`).
+that no longer describes its checkpoint (:func:`~..serving.check_card.card_findings`).
 
 Who writes what: ``train`` writes the card into every checkpoint it saves
 (:func:`write_model_card`); ``eval`` merges what it measured into the card's ``peagle_eval``
@@ -19,7 +19,7 @@ and local paths by :func:`portable_path`, never by an absolute path of this mach
 Example::
 
     write_model_card("ckpt/checkpoint-1000", training={"steps": 1000, ...})
-    card_findings(DraftCheckpoint.read("ckpt/checkpoint-1000"))   # [] while they agree
+    read_card("ckpt/checkpoint-1000")[0]["peagle"]["speculative_tokens"]   # its K
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import yaml
 from ..common.errors import UserError
 from ..common.files import atomic_write_text
 from ..common.reading import read_json
-from .draft_checkpoint import DraftCheckpoint, Finding, declared_k, object_at, warning
+from .speculators_config import declared_k, object_at
 
 __all__ = [
     "CARD_FILE",
     "card_facts",
     "check_base_model",
-    "card_findings",
     "model_id",
     "portable_path",
+    "raw_card",
     "read_card",
     "serve_command",
     "write_eval_section",
@@ -54,12 +54,6 @@ _FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 EVALS = "peagle_eval"  # the front matter's list of eval entries (evaluation.card)
 # A hub model id: ``name`` or ``owner/name``.
 _MODEL_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
-# The recipe settings a card lists (TrainConfig names), when training states them.
-RECIPE_KEYS = (
-    "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "total_seq_len",
-    "sequence_partitions", "optimizer", "lr", "muon_lr", "epochs", "max_steps", "draft_init",
-    "autocast", "seed",
-)
 
 
 def card_facts(config: dict) -> dict:
@@ -127,7 +121,7 @@ def serve_command(draft: str, config: dict, base_model: str | None = None) -> st
     return f"vllm serve {base_model or 'TARGET'} --speculative-config '{json.dumps(spec)}'"
 
 
-def _raw_card(draft_dir: str | Path) -> tuple[str, str] | None:
+def raw_card(draft_dir: str | Path) -> tuple[str, str] | None:
     """``(front matter text, body)`` of a README.md that opens with front matter."""
     path = Path(draft_dir) / CARD_FILE
     if not path.is_file():
@@ -139,7 +133,7 @@ def _raw_card(draft_dir: str | Path) -> tuple[str, str] | None:
 
 def read_card(draft_dir: str | Path) -> tuple[dict, str] | None:
     """``(front matter, body)`` of the draft's card, or None where it has no card of ours."""
-    raw = _raw_card(draft_dir)
+    raw = raw_card(draft_dir)
     if raw is None:
         return None
     try:
@@ -181,7 +175,7 @@ def _made_rows(training: dict) -> list[tuple[str, str]]:
     elif training.get("data_path"):
         rows.append(("data", f"`{portable_path(training['data_path'])}`"))
     recipe = training.get("recipe") or {}
-    settings = ", ".join(f"{k}={recipe[k]}" for k in RECIPE_KEYS if recipe.get(k) is not None)
+    settings = ", ".join(f"{k}={v}" for k, v in recipe.items() if v is not None)
     if settings:
         rows.append(("recipe", settings))
     if training.get("steps") is not None:
@@ -202,8 +196,9 @@ def write_model_card(
     Args:
         draft_dir: a saved draft (its config.json is read).
         training: what made it, any of ``steps``, ``samples``, ``data`` (the data's
-            ``generation_settings.json``), ``data_path``, ``recipe`` (training settings by
-            name); None keeps the card's "How it was made" section as it is.
+            ``generation_settings.json``), ``data_path``, ``recipe`` (the training settings
+            the card states, by key, in order; None values left out); None keeps the
+            card's "How it was made" section as it is.
         location: where the draft will live, for the serve line (a checkpoint is written
             under a temporary name); default: ``draft_dir``.
         base_model: the target's hub model id; default: see :func:`_base_model`.
@@ -275,40 +270,3 @@ def _section(body: str, heading: str) -> str | None:
     rest = body.split(heading, 1)[1]
     end = rest.find("\n## ")
     return heading + (rest if end < 0 else rest[: end + 1])
-
-
-def card_findings(ckpt: DraftCheckpoint) -> list[Finding]:
-    """A card whose front matter is not plain YAML, or whose facts differ from the
-    checkpoint's config.json (one finding per fact). The front matter is read with
-    ``yaml.safe_load`` only: nothing in it is constructed or run."""
-    raw = _raw_card(ckpt.path)
-    if raw is None:
-        return []
-    try:
-        yaml.safe_load(raw[0])
-    except yaml.YAMLError as exc:
-        problem = str(exc).splitlines()[0]
-        return [warning(
-            "model-card-yaml",
-            f"README.md's front matter is not plain YAML ({problem}); a tool that loads it "
-            "with Python tags allowed would construct the objects it names.",
-            "Rewrite the front matter as plain YAML, or delete README.md.",
-        )]
-    card = read_card(ckpt.path)
-    if card is None:
-        return []
-    stated = card[0]["peagle"]
-    found = []
-    for key, value in card_facts(ckpt.config).items():
-        if key in stated and stated[key] != value:
-            found.append(
-                warning(
-                    "model-card",
-                    f"README.md's model card says {key}: {stated[key]!r} but config.json "
-                    f"gives {value!r}.",
-                    "export the draft (its copy's card is written from config.json), or train "
-                    "or evaluate it again.",
-                    mechanical=True,
-                )
-            )
-    return found
