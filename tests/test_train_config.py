@@ -37,7 +37,7 @@ def test_shipped_configs_cover_the_demo_llama_qwen_and_long_context():
     assert {"demo_smollm2", "llama3_1_8b", "qwen3_8b", "long_context"} <= names
     shipped = {p.stem: build_train_config(str(p), no_flags(**REQUIRED)) for p in CONFIGS}
     for name in ("llama3_1_8b", "qwen3_8b"):
-        assert shipped[name].draft.num_layers == 4 and shipped[name].peagle.num_depths == 8
+        assert shipped[name].draft.num_layers == 4 and shipped[name].peagle.cod.num_depths == 8
     assert shipped["long_context"].peagle.sequence_partitions > 1
 
 
