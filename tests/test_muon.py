@@ -24,7 +24,7 @@ from speculators_peagle_plugin.common import devices
 from speculators_peagle_plugin.common.reading import load_plain_torch
 from speculators_peagle_plugin.training.checkpoint import STATE_FILE, checkpoint_dirs
 from speculators_peagle_plugin.training.loop import build_training
-from speculators_peagle_plugin.training.optim import muon_split, newton_schulz
+from speculators_peagle_plugin.training.optim import OptimizerConfig, muon_split, newton_schulz
 from speculators_peagle_plugin.training.train_config import TrainConfig
 
 MUON_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
@@ -138,8 +138,16 @@ def test_muon_lr_falls_back_to_lr(workdir, tmp_path):
         theirs.muon_momentum, theirs.muon_weight_decay, theirs.muon_ns_steps,
         theirs.muon_adjust_lr_fn,
     )
-    adamw = build_training(config_for(workdir, tmp_path / "a", max_steps=1)).optimizers
+    adamw = build_training(config_for(workdir, tmp_path / "a", optimizer="adamw",
+                                      max_steps=1)).optimizers
     assert [type(o).__name__ for o in adamw] == ["AdamW"] and adamw[0].defaults["fused"]
+
+
+def test_the_default_optimizer_is_speculators_muon():
+    theirs = SpeculatorsConfig.from_flat({"speculator_type": "peagle"}).optimizer
+    ours = OptimizerConfig()
+    assert ours.optimizer == theirs.optimizer == "muon"
+    assert (ours.lr, ours.resolved_muon_lr) == (theirs.lr, theirs.lr)  # muon_lr unset: lr
 
 
 def muon_args(workdir, save, *extra):
@@ -247,11 +255,11 @@ def test_speculators_run_yaml_with_its_defaults_trains_with_muon(workdir, tmp_pa
     checkpoint = checkpoint_dirs(tmp_path / "save")[-1]
     kinds = [set(s["param_groups"][0]) for s in weights_and_optimizer(checkpoint)[2]["optimizer"]]
     assert "ns_steps" in kinds[0] and "amsgrad" in kinds[1]
-    # a file that leaves the optimizer out (speculators' default) gets ours: adamw
+    # a file that leaves the optimizer out (speculators' default) gets ours, the same: muon
     plain = yaml.safe_load(dump_yaml(SpeculatorsConfig.from_sources(cli=cli, argv=["train"])))
     assert "optimizer" not in plain["train"]
     path.write_text(yaml.safe_dump(plain))
-    assert TrainConfig.from_sources(path).optimizer.optimizer == "adamw"
+    assert TrainConfig.from_sources(path).optimizer.optimizer == "muon"
 
 
 @pytest.mark.slow

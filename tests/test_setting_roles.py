@@ -30,7 +30,10 @@ CARD_BEFORE = {
 
 
 def defaults() -> dict:
-    return {leaf.key: leaf.default for leaf in leaves(TrainConfig) if leaf.default is not MISSING}
+    """Each setting as a checkpoint that does not record it had it: its ``unrecorded``
+    value (the optimizer: adamw, from before the key existed), else its default."""
+    return {leaf.key: leaf.field.metadata.get("unrecorded", leaf.default)
+            for leaf in leaves(TrainConfig) if leaf.default is not MISSING}
 
 
 def test_the_roles_mark_the_settings_the_key_lists_named():
@@ -81,6 +84,9 @@ def test_paths_and_prompt_specs_are_compared_resolved(tmp_path, monkeypatch):
 
 
 def test_an_old_checkpoint_without_a_younger_key_had_its_default():
+    # every run before --optimizer existed was AdamW's, though muon is the default now
+    assert defaults()["optimizer"] == "adamw"
+    assert next(leaf.default for leaf in leaves(TrainConfig) if leaf.key == "optimizer") == "muon"
     current = {**defaults(), "optimizer": "muon"}
     assert changed_settings(TrainConfig, {}, current) == ["optimizer"]
     assert changed_settings(TrainConfig, {}, defaults()) == []

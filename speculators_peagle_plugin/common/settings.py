@@ -76,7 +76,9 @@ def setting(default=MISSING, help: str = "", factory=None, **meta):  # noqa: A00
     resolved, so that two spellings of one directory agree), ``prompts`` (a prompt-set spec,
     whose sources are compared resolved), ``card`` (stated on the model card; an eval
     setting: in the card's eval entries), ``engine`` (a setting of the engines a command
-    starts, which a running server has of its own).
+    starts, which a running server has of its own), ``unrecorded`` (the value a checkpoint
+    that does not record the setting was made with, where the default has changed since the
+    setting was added).
     """
     metadata = {"help": help, **meta}
     if factory is not None:

@@ -243,13 +243,15 @@ def changed_settings(cls, recorded: dict, current: dict) -> list[str]:
     may change (how long, how often, where to); a ``path`` is compared resolved, so the
     same directory however spelled is no change; a ``prompts`` spec with its sources
     resolved. A setting the checkpoint does not record is younger than it: its run had the
-    setting's default (an AdamW checkpoint of before ``--optimizer`` existed resumes only
-    as adamw); a key recorded that ``cls`` no longer has differs unless it was None.
+    setting's ``unrecorded`` value, else its default (an AdamW checkpoint of before
+    ``--optimizer`` existed resumes only as adamw); a key recorded that ``cls`` no longer
+    has differs unless it was None.
 
     Example: ``changed_settings(TrainConfig, {"lr": 0.1, "epochs": 3}, {"lr": 0.2,
     "epochs": 9, ...})`` -> ``["lr"]``.
     """
-    defaults = {leaf.key: leaf.default for leaf in leaves(cls)}
+    defaults = {leaf.key: leaf.field.metadata.get("unrecorded", leaf.default)
+                for leaf in leaves(cls)}
     recorded = {k: v for k, v in defaults.items() if v is not MISSING} | recorded
     resumable = set(keys_with(cls, "resumable"))
     paths, prompts = set(keys_with(cls, "path")), set(keys_with(cls, "prompts"))

@@ -160,10 +160,7 @@ SPECULATORS_KEYS: dict[str, Answer] = {
     "loss.ttt_step_loss_decay": _ignored(
         "EAGLE-3's unrolling; P-EAGLE drafts all depths in one pass"
     ),
-    "optimizer.optimizer": _works(
-        "ours defaults to adamw, speculators' to muon (its run.yaml leaves a default out: "
-        "name muon to train with it)"
-    ),
+    "optimizer.optimizer": _works(),
     "optimizer.lr": _works(),
     "optimizer.weight_decay": _works(),
     "optimizer.muon_lr": _works(),

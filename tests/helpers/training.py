@@ -19,14 +19,14 @@ def train_args(workdir, save, *extra):
         "train", "--verifier-name-or-path", str(workdir / "target"),
         "--data-path", str(workdir / "data"), "--save-path", str(save),
         "--draft-vocab-size", str(DRAFT_VOCAB), "--num-depths", "3", "--total-seq-len", "96",
-        "--seed", "3", "--lr", "0.01", *extra,
+        "--seed", "3", "--lr", "0.01", "--optimizer", "adamw", *extra,
     ]
 
 
 def config_for(workdir, save, **kw):
     defaults = {"verifier_name_or_path": str(workdir / "target"),
                 "data_path": str(workdir / "data"), "seed": 3, "lr": 0.01,
-                "total_seq_len": 96}
+                "total_seq_len": 96, "optimizer": "adamw"}
     return TrainConfig.from_sources(
         save_path=str(save), draft_vocab_size=DRAFT_VOCAB, num_depths=3, **(defaults | kw)
     )
