@@ -43,7 +43,8 @@ class OptimizerConfig:
         "muon (speculators' default): torch.optim.Muon on the 2-D weight matrices (not "
         "embed_tokens or lm_head) and AdamW on the rest, as speculators splits them; it "
         "serves longer acceptance than AdamW at equal steps (python -m eval.ablate --variant "
-        "adamw --variant muon3x optimizer=muon muon_lr=0.003). adamw: AdamW on every weight.",
+        "adamw optimizer=adamw --variant muon3x optimizer=muon muon_lr=0.003). adamw: AdamW "
+        "on every weight.",
         choices=("adamw", "muon"),
         card=True,
         unrecorded="adamw",  # the optimizer of every run before the key existed
