@@ -85,15 +85,23 @@ def final_weights(save):
     return load_file(checkpoint_dirs(Path(save))[-1] / "model.safetensors")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_killed_and_resumed_equals_uninterrupted(workdir, tmp_path, sig):
-    args = ["--max-steps", "40", "--epochs", "100", "--sequence-partitions", "2"]
-    straight = run_subprocess(train_args(workdir, tmp_path / "straight", *args))
+KILLED_RUN = ["--max-steps", "40", "--epochs", "100", "--sequence-partitions", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir, tmp_path_factory):
+    """The final weights of the run the killed ones resume to, run once for every signal."""
+    save = tmp_path_factory.mktemp("straight")
+    straight = run_subprocess(train_args(workdir, save, *KILLED_RUN))
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out
+    return final_weights(save)
 
-    killed = run_subprocess(train_args(workdir, tmp_path / "killed", *args))
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_killed_and_resumed_equals_uninterrupted(workdir, uninterrupted, tmp_path, sig):
+    killed = run_subprocess(train_args(workdir, tmp_path / "killed", *KILLED_RUN))
     metrics = tmp_path / "killed" / METRICS_FILE
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -106,10 +114,10 @@ def test_killed_and_resumed_equals_uninterrupted(workdir, tmp_path, sig):
     (interrupted,) = checkpoint_dirs(tmp_path / "killed")
     assert 3 <= int(interrupted.name[len(CHECKPOINT_PREFIX) :]) < 40
 
-    resumed = run_subprocess(train_args(workdir, tmp_path / "killed", *args))
+    resumed = run_subprocess(train_args(workdir, tmp_path / "killed", *KILLED_RUN))
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
-    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
+    a, b = uninterrupted, final_weights(tmp_path / "killed")
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key

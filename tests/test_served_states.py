@@ -90,6 +90,16 @@ def train(workdir, save, data="tokens", *extra, verifier="target"):
     ])
 
 
+@pytest.fixture(scope="module")
+def on_the_files(workdir, tmp_path_factory):
+    """The save directory of ``train`` on the rows with their states (``data/``): the run
+    every served run is held to, trained once for the module."""
+    save = tmp_path_factory.mktemp("files")
+    code, out = train(workdir, save, "data")
+    assert code == 0, out
+    return save
+
+
 def losses(save) -> list[float]:
     return [json.loads(line)["loss"] for line in open(save / METRICS_FILE)]
 
@@ -190,14 +200,12 @@ def test_a_wrong_endpoint_another_model_or_no_extraction_is_one_sentence_before_
 
 @pytest.mark.slow
 def test_training_from_a_server_logs_the_losses_of_training_on_the_files(
-    workdir, server, tmp_path
+    workdir, server, on_the_files, tmp_path
 ):
     base, hs_dir = server
-    code, out = train(workdir, tmp_path / "files", "data")
-    assert code == 0, out
     code, out = train(workdir, tmp_path / "served", "tokens", "--vllm-endpoint", base)
     assert code == 0, out
-    offline, served = losses(tmp_path / "files"), losses(tmp_path / "served")
+    offline, served = losses(on_the_files), losses(tmp_path / "served")
     print(f"losses: files {offline}, server {served}")
     assert len(offline) == len(served) == 3
     assert served == pytest.approx(offline, rel=1e-5, abs=1e-6)
@@ -225,7 +233,7 @@ def test_a_fetched_state_of_other_tokens_is_one_sentence_naming_row_and_server(
 
 @pytest.mark.slow
 def test_a_row_that_fails_every_attempt_is_dropped_and_training_goes_on(
-    workdir, server, tmp_path, monkeypatch
+    workdir, server, on_the_files, tmp_path, monkeypatch
 ):
     base, _ = server
     victim = list(map(int, load_from_disk(str(workdir / "tokens"))[0]["input_ids"]))
@@ -241,10 +249,8 @@ def test_a_row_that_fails_every_attempt_is_dropped_and_training_goes_on(
                       "--generation-validation-retries", "1",
                       "--max-consecutive-generation-failures", "2")
     assert code == 0, out
-    code, out = train(workdir, tmp_path / "files", "data")
-    assert code == 0, out
     dropped = [json.loads(line)["tokens"] for line in open(tmp_path / "save" / METRICS_FILE)]
-    full = [json.loads(line)["tokens"] for line in open(tmp_path / "files" / METRICS_FILE)]
+    full = [json.loads(line)["tokens"] for line in open(on_the_files / METRICS_FILE)]
     short = [f - d for f, d in zip(full, dropped, strict=True) if f != d]
     assert short and set(short) == {len(victim) - 1}  # the steps with the victim lack it
     assert sum(tried) == 2 * len(short)  # two attempts each time
@@ -289,7 +295,7 @@ def listening_pid(base: str) -> int:
 
 @pytest.mark.slow
 def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_rerun_resumes(
-    workdir, server, tmp_path, monkeypatch
+    workdir, server, on_the_files, tmp_path, monkeypatch
 ):
     """Runs last: it kills the module's server before the second step's rows are read (the
     refusals run first, before the module's server starts: one engine at a time). The rerun
@@ -327,9 +333,7 @@ def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_rerun_resu
         code, out = train(workdir, save, "tokens", "--vllm-endpoint", again,
                           "--checkpoint-freq", "0.01", *FAST)
     assert code == 0, out
-    code, out = train(workdir, tmp_path / "files", "data")
-    assert code == 0, out
-    assert losses(save) == pytest.approx(losses(tmp_path / "files"), rel=1e-5, abs=1e-6)
+    assert losses(save) == pytest.approx(losses(on_the_files), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("planted", ["server", "bug"])

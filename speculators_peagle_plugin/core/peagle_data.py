@@ -86,7 +86,24 @@ def generate_cod_sample_indices(
     cfg = CODConfig(num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
     check_int_at_least("seq_length", seq_length, 1)
     loss_mask = _flat_row("loss_mask", loss_mask, seq_length)
-    device = loss_mask.device
+    supervised, starts, succ_ok = _chain_rules(loss_mask, document_ids, path_mask)
+    pool, n_valid = _depth_one_pool(starts, int(supervised.sum()), max_anchors, generator)
+    anchors = _draw_chains(cfg, seq_length, pool, n_valid, succ_ok, generator)
+    depth = torch.repeat_interleave(
+        torch.arange(len(anchors), device=loss_mask.device),
+        torch.tensor([a.shape[0] for a in anchors], device=loss_mask.device),
+    )
+    return torch.cat(anchors), depth
+
+
+def _chain_rules(
+    loss_mask: torch.Tensor, document_ids: torch.Tensor | None, path_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where chains may run in a ``[L]`` row: ``(supervised, starts, succ_ok)``, each
+    ``[L]`` bool. ``starts[p]``: a chain may start at reference ``p`` (supervised, its
+    anchor ``p - 1`` in ``p``'s document, ``path_mask[p - 1]``); ``succ_ok[p]``: a chain at
+    reference ``p`` may extend to ``p + 1`` (supervised, same document, ``path_mask[p]``)."""
+    seq_length, device = loss_mask.shape[0], loss_mask.device
     supervised = loss_mask != 0  # [L]
     if document_ids is not None:
         doc = _flat_row("document_ids", document_ids, seq_length).to(device)
@@ -95,28 +112,43 @@ def generate_cod_sample_indices(
     else:
         same_doc_as_next = torch.ones(seq_length - 1, dtype=torch.bool, device=device)
 
-    # A chain may start at reference p >= 1 whose anchor p - 1 is in p's document.
     starts = supervised.clone()
     starts[0] = False
     starts[1:] &= same_doc_as_next
-    # succ_ok[p]: a chain at reference p may extend to p + 1.
     succ_ok = torch.zeros_like(supervised)
     succ_ok[:-1] = same_doc_as_next & supervised[1:]
     if path_mask is not None:
         steps = _flat_row("path_mask", path_mask, seq_length).to(device).bool()
         starts[1:] &= steps[:-1]
         succ_ok &= steps
+    return supervised, starts, succ_ok
 
+
+def _depth_one_pool(
+    starts: torch.Tensor, n_valid: int, max_anchors: int | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int]:
+    """The depth-1 pool (``[P]`` ascending references where ``starts``), at most
+    ``max_anchors`` of them drawn uniformly, and ``n_valid`` capped by ``max_anchors``."""
     pool = torch.nonzero(starts).squeeze(1)  # [P] ascending
-    n_valid = int(supervised.sum())
     if max_anchors is not None and pool.shape[0] > max_anchors:
-        keep = torch.randperm(pool.shape[0], generator=generator, device=device)[:max_anchors]
-        pool = pool[keep].sort().values
+        keep = torch.randperm(pool.shape[0], generator=generator, device=starts.device)
+        pool = pool[keep[:max_anchors]].sort().values
     if max_anchors is not None:
         n_valid = min(n_valid, max_anchors)
+    return pool, n_valid
 
+
+def _draw_chains(
+    cfg: CODConfig, seq_length: int, pool: torch.Tensor, n_valid: int, succ_ok: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[torch.Tensor]:
+    """The anchors of each depth, depth 0 first (every position): depth ``d`` draws its
+    references from the pool, which then becomes ``p + 1`` of each drawn ``p`` that
+    ``succ_ok`` lets extend. Stops at the first depth whose draw size is 0."""
+    device = pool.device
     anchors = [torch.arange(seq_length, device=device)]
-    for d in range(1, num_depths):
+    for d in range(1, cfg.num_depths):
         size = cfg.depth_sample_size(n_valid, d)
         if size <= 0:
             break
@@ -127,13 +159,7 @@ def generate_cod_sample_indices(
             refs = pool
         anchors.append(refs - d)
         pool = refs[succ_ok[refs]] + 1
-
-    anchor_pos = torch.cat(anchors)
-    depth = torch.repeat_interleave(
-        torch.arange(len(anchors), device=device),
-        torch.tensor([a.shape[0] for a in anchors], device=device),
-    )
-    return anchor_pos, depth
+    return anchors
 
 
 def assign_cod_segments(

@@ -292,6 +292,12 @@ def _check_online_ids(path: Path, largest_id: int, online: HiddenStatesSource) -
         )
 
 
+def _generation_settings(path: Path) -> dict | None:
+    """generate-data's record of how it made ``path`` (its layer ids among them), if any."""
+    settings_path = path / SETTINGS_FILE
+    return read_json(settings_path) if settings_path.exists() else None
+
+
 def _chosen_aux_slots(
     chosen: tuple[int, ...] | None,
     online: HiddenStatesSource | None,
@@ -310,6 +316,20 @@ def _chosen_aux_slots(
         recorded, last = settings["target_layer_ids"], settings.get("target_num_layers")
         return aux_slots(chosen, recorded, last, n_aux, path)
     return aux_slots(chosen, None, None, n_aux, path)
+
+
+def _open_dataset(path: Path, lengths: np.ndarray, transfer, online: HiddenStatesSource | None,
+                  shape_tail: tuple[int, int]):
+    """The checked arrow dataset over ``path``'s rows, its hidden states read through
+    ``transfer`` (the stored files, or ``online``, attached to the rows); every sample's
+    states are ``shape_tail = (aux slots + 1, hidden size)``."""
+    dataset = _checked_arrow_dataset_class()(
+        max_len=int(lengths.max()), datapath=str(path), transfer=transfer, on_missing="raise"
+    )
+    if online is not None:
+        online.attach(dataset.data, [int(x) for x in lengths])
+    dataset.shape_tail = shape_tail
+    return dataset
 
 
 def open_training_data(
@@ -353,14 +373,8 @@ def open_training_data(
     else:
         _check_online_ids(path, largest_id, online)
         hidden_size, n_aux, transfer = online.hidden_size, online.num_aux_layers, online
-    dataset = _checked_arrow_dataset_class()(
-        max_len=int(lengths.max()), datapath=str(path), transfer=transfer, on_missing="raise"
-    )
-    if online is not None:
-        online.attach(dataset.data, [int(x) for x in lengths])
-    dataset.shape_tail = (n_aux + 1, hidden_size)
-    settings_path = path / SETTINGS_FILE
-    settings = read_json(settings_path) if settings_path.exists() else None
+    dataset = _open_dataset(path, lengths, transfer, online, (n_aux + 1, hidden_size))
+    settings = _generation_settings(path)
     chosen = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
     dataset.aux_slots = _chosen_aux_slots(chosen, online, settings, n_aux, path)
     data = TrainingData(

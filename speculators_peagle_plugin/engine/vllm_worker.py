@@ -88,85 +88,103 @@ class Worker:
 
     def run(self, job: VllmJob) -> dict:
         """Decode every prompt (greedy by default) with ``batch_size`` requests in flight."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         # lazily, like every package import here: main() imports vLLM first (see there)
         from speculators_peagle_plugin.engine.inflight import drive
 
         llm = self.engine(job)
         engine = llm.llm_engine
-
-        def params(seed: int | None):
-            # Only finished requests' token ids are read: no text, and no per-step outputs
-            # (vLLM's default rebuilds every running request's output at every step).
-            return SamplingParams(
-                temperature=job.temperature,
-                top_p=job.top_p,
-                max_tokens=job.max_tokens,
-                ignore_eos=job.ignore_eos,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-                seed=seed,
-            )
-
         has_draft = bool(job.draft)
         first = _counters(llm) if has_draft else None
+
+        def counters() -> dict | None:
+            return (_counters(llm) - first).to_dict() if has_draft else None
+
         self.serial += 1
         ids = [f"{self.serial}-{i}" for i in range(len(job.prompts))]
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        seeds = job.seeds if job.seeds is not None else [None] * len(ids)
-        shared = params(None)
-        requests = [
-            (request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-             shared if seed is None else params(seed))
-            for request_id, prompt, seed in zip(ids, job.prompts, seeds, strict=True)
-        ]
-        outputs: dict[str, list[int]] = {}
-        tpot: dict[str, float | None] = {}
-        histograms: dict[str, list[int] | None] = {}
-        start = time.perf_counter()
-
-        def on_finished(out) -> None:
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
-            tpot[out.request_id] = _time_per_output_token(out.metrics)
-            spec = out.outputs[0].spec_decode_metrics
-            histograms[out.request_id] = None if spec is None else list(spec.histogram)
-            self.emit(
-                {
-                    "event": "progress",
-                    "index": index[out.request_id],
-                    "token_ids": outputs[out.request_id],
-                    "done": len(outputs),
-                    "total": len(ids),
-                    "output_tokens": sum(map(len, outputs.values())),
-                    "wall_s": time.perf_counter() - start,
-                    "counters": (_counters(llm) - first).to_dict() if has_draft else None,
-                }
-            )
-
+        requests = _requests(job, ids)
+        finished = _Finished(ids, self.emit, counters)
         extension = _start_extension(llm, job.extension)
-        drive(engine, requests, job.batch_size, on_finished)
+        drive(engine, requests, job.batch_size, finished.add)
         if job.engine_overrides.get("kv_transfer_config"):
             _flush_kv_connector(engine)
         if extension is None and job.extension is not None:
             extension = llm.collective_rpc(job.extension.stop)[0]
-        wall = time.perf_counter() - start
-        ordered = [outputs[i] for i in ids]
+        wall = time.perf_counter() - finished.start
+        ordered = [finished.outputs[i] for i in ids]
         return {
             "event": "result",
             "backend": "vllm",
             "num_speculative_tokens": job.num_speculative_tokens if has_draft else 0,
             "concurrency": job.batch_size,
-            "counters": (_counters(llm) - first).to_dict() if has_draft else None,
+            "counters": counters(),
             "output_tokens": sum(map(len, ordered)),
             "wall_s": wall,
-            "time_per_output_token_s": [tpot[i] for i in ids],
-            "accepted_histograms": [histograms[i] for i in ids] if has_draft else None,
+            "time_per_output_token_s": [finished.tpot[i] for i in ids],
+            "accepted_histograms": [finished.histograms[i] for i in ids] if has_draft else None,
             "outputs": ordered,
             "extension": extension,
         }
+
+
+class _Finished:
+    """A job's finished requests, by request id: their token ids, time per output token and
+    accepted-draft histogram; each one is announced as a ``progress`` event as it lands.
+    The job's clock starts when this is made."""
+
+    def __init__(self, ids: list[str], emit, counters):
+        self.index = {request_id: i for i, request_id in enumerate(ids)}
+        self.emit, self.counters = emit, counters
+        self.outputs: dict[str, list[int]] = {}
+        self.tpot: dict[str, float | None] = {}
+        self.histograms: dict[str, list[int] | None] = {}
+        self.start = time.perf_counter()
+
+    def add(self, out) -> None:
+        self.outputs[out.request_id] = list(out.outputs[0].token_ids)
+        self.tpot[out.request_id] = _time_per_output_token(out.metrics)
+        spec = out.outputs[0].spec_decode_metrics
+        self.histograms[out.request_id] = None if spec is None else list(spec.histogram)
+        self.emit(
+            {
+                "event": "progress",
+                "index": self.index[out.request_id],
+                "token_ids": self.outputs[out.request_id],
+                "done": len(self.outputs),
+                "total": len(self.index),
+                "output_tokens": sum(map(len, self.outputs.values())),
+                "wall_s": time.perf_counter() - self.start,
+                "counters": self.counters(),
+            }
+        )
+
+
+def _requests(job: VllmJob, ids: list[str]) -> list[tuple]:
+    """``(request id, prompt, sampling parameters)`` per prompt of ``job``: one shared
+    parameter object for unseeded prompts, one per seeded prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    def params(seed: int | None):
+        # Only finished requests' token ids are read: no text, and no per-step outputs
+        # (vLLM's default rebuilds every running request's output at every step).
+        return SamplingParams(
+            temperature=job.temperature,
+            top_p=job.top_p,
+            max_tokens=job.max_tokens,
+            ignore_eos=job.ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            seed=seed,
+        )
+
+    seeds = job.seeds if job.seeds is not None else [None] * len(ids)
+    shared = params(None)
+    return [
+        (request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+         shared if seed is None else params(seed))
+        for request_id, prompt, seed in zip(ids, job.prompts, seeds, strict=True)
+    ]
 
 
 def _engine_args(job: VllmJob) -> dict:
