@@ -14,9 +14,10 @@ weights into ``speculators.models.peagle.core.PEagleDraftModel``
 the same YAML without the recipe's draft-construction choices that speculators does not
 make (``SPECULATORS_DRAFT``: the layer starts random, with the verifier's key/value heads),
 built by the same code on speculators' own ``from_training_args``. Both then take the
-same packed rows in the same order, with the same AdamW, warmup schedule, gradient
-clipping and precision (the YAML's ``autocast``: forwards under ``torch.autocast``, as
-speculators' ``Trainer`` runs them), for the same number of optimizer steps:
+same packed rows in the same order, with the same AdamW (whatever the YAML's optimizer),
+warmup schedule, gradient clipping and precision (the YAML's ``autocast``: forwards under
+``torch.autocast``, as speculators' ``Trainer`` runs them), for the same number of
+optimizer steps:
 
 - ours: ``speculators_peagle_plugin.training.loop.train`` (the ``speculators-peagle train``
   loop, sequence partitions and all, as configured in the YAML);
@@ -55,13 +56,14 @@ def _train_config(spec: dict, side: str):
     from speculators_peagle_plugin.common.settings import leaves
     from speculators_peagle_plugin.training.train_config import TrainConfig
 
-    # One checkpoint, at the end: neither side pays for saves inside its loop.
+    # One checkpoint, at the end: neither side pays for saves inside its loop. Both step
+    # AdamW (theirs is a minimal loop of it), whatever optimizer the YAML names.
     seed = {} if spec.get("seed") is None else {"seed": spec["seed"]}
     config = TrainConfig.from_sources(
         spec["config"], verifier_name_or_path=spec["target"], data_path=spec["data"],
         save_path=str(Path(spec["out"]) / f"{side}-train"), max_steps=spec["steps"],
         checkpoint_freq=1e9, keep_checkpoints=1, log_freq=1, no_resume_from_checkpoint=True,
-        **seed,
+        optimizer="adamw", **seed,
     )
     if side == "theirs" and spec.get("theirs_draft") == "speculators":
         defaults = {leaf.key: leaf.default for leaf in leaves(TrainConfig)}

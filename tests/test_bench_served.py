@@ -79,7 +79,7 @@ def test_the_benchmark_runs_shortened_on_the_tiny_target(tmp_path):
     assert code == 0, out
     (tmp_path / "train.yaml").write_text(
         "draft_vocab_size: 64\nnum_depths: 3\ntotal_seq_len: 128\nlr: 0.01\nseed: 3\n"
-        "device: cpu\ndtype: float32\n"
+        "device: cpu\ndtype: float32\noptimizer: adamw\n"  # as test_served_states.train
     )
     cmd = [sys.executable, "-m", "eval.bench_served"] + (
         f"--target {tmp_path}/target --data {tmp_path}/data --config {tmp_path}/train.yaml "
