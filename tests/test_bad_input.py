@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.training import DRAFT_VOCAB, refusal, run_cli, train_args
+from helpers.training import DRAFT_VOCAB, refusal, run_cli, train_args, train_ok
 from tiny import tiny_workdir
 
 from speculators_peagle_plugin.common.lock import LOCK_FILE, DirectoryLocked, exclusive_directory
@@ -32,9 +32,8 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(workdir, tmp_path_factory):
     """A save path with checkpoint-1 and checkpoint-2 (one per step)."""
-    save = tmp_path_factory.mktemp("trained") / "save"
-    code, out = run_cli(train_args(workdir, save, "--max-steps", "2", "--checkpoint-freq", "0.01"))
-    assert code == 0, out
+    save = train_ok(workdir, tmp_path_factory.mktemp("trained") / "save", "--max-steps", "2",
+                    "--checkpoint-freq", "0.01")
     assert [p.name for p in checkpoint_dirs(save)] == ["checkpoint-1", "checkpoint-2"]
     return save
 
@@ -149,8 +148,7 @@ def test_auto_resume_skips_a_damaged_checkpoint_for_the_newest_intact_one(
     shutil.copytree(trained, save)
     truncate(save / "checkpoint-2" / damaged)
     caplog.set_level(logging.INFO)
-    code, out = run_cli(train_args(workdir, save, "--max-steps", "3"))
-    assert code == 0, out
+    train_ok(workdir, save, "--max-steps", "3")
     assert f"not resuming from checkpoint-2: {save / 'checkpoint-2' / damaged}" in caplog.text
     assert f"resumed from {save / 'checkpoint-1'} at step 1" in caplog.text
     # --resume names one checkpoint: a damaged one is an error, not skipped
@@ -232,8 +230,7 @@ def test_resume_into_a_new_save_path_continues_there(workdir, trained, tmp_path,
     new = tmp_path / "new"
     resume = ["--resume", str(trained / "checkpoint-1"), "--max-steps", "2"]
     caplog.set_level(logging.INFO)
-    code, out = run_cli(train_args(workdir, new, *resume))
-    assert code == 0, out
+    train_ok(workdir, new, *resume)
     assert f"resumed from {trained / 'checkpoint-1'} at step 1" in caplog.text
     assert [p.name for p in checkpoint_dirs(new)] == ["checkpoint-2"]
 
@@ -371,8 +368,7 @@ def test_a_metrics_line_cut_by_a_kill_is_dropped_on_resume(workdir, trained, tmp
     shutil.copytree(trained, save)
     with open(save / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 3, "lo')
-    code, out = run_cli(train_args(workdir, save, "--max-steps", "3"))
-    assert code == 0, out
+    train_ok(workdir, save, "--max-steps", "3")
     steps = [json.loads(x)["step"] for x in (save / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
 
@@ -387,8 +383,7 @@ def test_what_a_killed_run_left_is_cleared_and_the_rerun_resumes(
     (save / LOCK_FILE).write_text(dead)  # its flock died with it
     (save / f".checkpoint-3.tmp-{dead}").mkdir()  # a checkpoint it was writing
     caplog.set_level(logging.INFO)
-    code, out = run_cli(train_args(workdir, save, "--max-steps", "3"))
-    assert code == 0, out
+    train_ok(workdir, save, "--max-steps", "3")
     assert f"took over the lock of PID {dead}" in caplog.text
     assert "resumed from" in caplog.text and "at step 2" in caplog.text
     assert sorted(p.name for p in save.iterdir() if p.name.startswith(".")) == []

@@ -26,6 +26,7 @@ from helpers.chat_target import (
     gen_args,
     write_prompt_rows,
 )
+from helpers.stops import stopped_at_call
 from safetensors.torch import load_file, save_file
 from speculators.data_generation.offline import check_hidden_states
 from speculators.train.data import ArrowDataset
@@ -249,16 +250,8 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
         max_new_tokens=MAX_NEW, batch_size=2, target_layer_ids=LAYER_IDS, draft_vocab_size=40,
     )
     real = gen_mod._regenerate
-    calls = []
-
-    def interrupted(*args):
-        calls.append(len(args[1]))  # the conversations
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(gen_mod, "_regenerate", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    # interrupted in the second batch; a call's note: its number of conversations
+    with stopped_at_call(monkeypatch, gen_mod, "_regenerate", 2, lambda *a: len(a[1])) as calls:
         generate_data(config)
     assert len(list((out / "responses").glob("*.json"))) == 1
     assert not (out / "state.json").exists() and not (out / "hidden_states").exists()

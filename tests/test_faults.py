@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 from helpers.results import data_rows, eval_args, eval_table, save_tiny_draft
-from helpers.training import DRAFT_VOCAB, refusal, run_cli, train_args
+from helpers.training import DRAFT_VOCAB, refusal, run_cli, train_args, train_ok
 from tiny import tiny_workdir
 
 from speculators_peagle_plugin.common.reading import load_safetensors
@@ -37,10 +37,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(workdir, tmp_path_factory):
     """The save path of the same run with room to spare."""
-    save = tmp_path_factory.mktemp("uninterrupted") / "save"
-    code, out = run_cli(train_args(workdir, save, *STEPS))
-    assert code == 0, out
-    return save
+    return train_ok(workdir, tmp_path_factory.mktemp("uninterrupted") / "save", *STEPS)
 
 
 def weights(checkpoint):
@@ -55,8 +52,7 @@ def assert_same_weights(checkpoint, expected):
 
 def finishes_like(workdir, save, uninterrupted, *extra):
     """The same command, on a disk with room again, ends where the uninterrupted run did."""
-    code, out = run_cli(train_args(workdir, save, *STEPS, *extra))
-    assert code == 0, out
+    train_ok(workdir, save, *STEPS, *extra)
     assert [p.name for p in checkpoint_dirs(save)] == [f"checkpoint-{n}" for n in (1, 2, 3)]
     for checkpoint in checkpoint_dirs(save):
         assert_same_weights(checkpoint, uninterrupted / checkpoint.name)

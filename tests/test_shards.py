@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from datasets import load_from_disk
 from helpers.chat_target import LAYER_IDS, MAX_NEW
+from helpers.stops import stopped_at_call
 
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.datagen import capture as capture_mod
@@ -189,34 +190,15 @@ def test_a_part_resumes_on_its_own_and_keeps_its_part(made, target_dir, prompts,
         target=str(target_dir), prompts=str(prompts), output=str(out), max_new_tokens=MAX_NEW,
         batch_size=BATCH, target_layer_ids=LAYER_IDS, draft_vocab_size=40, shard="1/2",
     )
-    real, calls = gen_mod._regenerate, []
-
-    def killed_in_the_second_batch(*args):
-        calls.append(args[2])  # the conversations' global indices
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(gen_mod, "_regenerate", killed_in_the_second_batch)
-    with pytest.raises(KeyboardInterrupt):
+    # killed in the second batch; a call's note: its conversations' global indices
+    with stopped_at_call(monkeypatch, gen_mod, "_regenerate", 2, lambda *a: a[2]) as calls:
         generate_data(config)
     assert calls == [[4, 5], [6]]
     assert [p.name for p in (out / "responses").iterdir()] == ["000000004-000000005.json"]
-    monkeypatch.setattr(gen_mod, "_regenerate", real)
 
-    saved, save = [], capture_mod.save_safetensors
-
-    def killed_after_one_file(tensors, path):
-        saved.append(path)
-        if len(saved) == 2:
-            raise KeyboardInterrupt
-        save(tensors, path)
-
-    monkeypatch.setattr(capture_mod, "save_safetensors", killed_after_one_file)
-    with pytest.raises(KeyboardInterrupt):
+    with stopped_at_call(monkeypatch, capture_mod, "save_safetensors", 2):  # after one file
         generate_data(config)
     assert [p.name for p in (out / "hidden_states").iterdir()] == ["hs_0.safetensors"]
-    monkeypatch.setattr(capture_mod, "save_safetensors", save)
     generate_data(config)
     assert_same_files(out, made / "part1")
 
@@ -264,19 +246,9 @@ def test_a_stopped_join_resumes_and_another_joins_output_is_refused(made, tmp_pa
     out = tmp_path / "joined"
     config = JoinConfig(parts=(str(made / "part0"), str(made / "part1")), output=str(out),
                         draft_vocab_size=40)
-    linked, link = [], join_mod._link_or_copy
-
-    def stopped_at_the_third_file(source, target):
-        linked.append(source)
-        if len(linked) == 3:
-            raise KeyboardInterrupt
-        link(source, target)
-
-    monkeypatch.setattr(join_mod, "_link_or_copy", stopped_at_the_third_file)
-    with pytest.raises(KeyboardInterrupt):
+    with stopped_at_call(monkeypatch, join_mod, "_link_or_copy", 3):  # at the third file
         join_data(config)
     assert len(list((out / "hidden_states").iterdir())) == 2
-    monkeypatch.setattr(join_mod, "_link_or_copy", link)
 
     def no_links(source, target):
         raise OSError(18, "Invalid cross-device link")

@@ -29,6 +29,7 @@ from .shard_plan import record_span
 
 logger = logging.getLogger(__name__)
 
+
 def generate_data(config: DataGenConfig) -> TrainingData:
     """Regenerate the prompts' replies with the target and write speculators-format data.
 
@@ -37,11 +38,11 @@ def generate_data(config: DataGenConfig) -> TrainingData:
     ``config.draft_vocab_size``. Re-running skips what is complete and valid; every file is
     written under a temporary name and renamed. Returns the opened data.
     """
-    if config.data_parallel_size > 1:
-        return generate_with_replicas(config)
     output = Path(config.output)
     with open_output(config) as (settings, target, prompts):
         check_storage(config, settings, target, prompts)
+        if config.data_parallel_size > 1:
+            return generate_with_replicas(config, output, settings, prompts)
         return _generate(config, output, settings, target, prompts)
 
 

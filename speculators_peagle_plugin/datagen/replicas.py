@@ -34,36 +34,34 @@ from ..data.layout import (
 from ..engine.vllm_client import CPU_KV_CACHE_GB
 from .datagen_config import DataGenConfig
 from .join import join_parts
-from .output import check_storage, open_output
 from .shard_plan import piece_size
 
 logger = logging.getLogger(__name__)
 
 
-
-def generate_with_replicas(config: DataGenConfig) -> TrainingData:
-    """:func:`~.build_data.generate_data` with ``config.data_parallel_size`` replicas."""
-    output = Path(config.output)
-    with open_output(config) as (settings, target, prompts):
-        check_storage(config, settings, target, prompts)
-        replies = config.replies
-        conversations = len(prompts) * replies.num_samples
-        piece = piece_size(replies.batch_size, replies.num_samples)
-        parts = [config.part.replica(r, config.data_parallel_size)
-                 for r in range(config.data_parallel_size)]
-        # a replica whose span holds no piece has nothing to make
-        parts = [p for p in parts if (s := p.span(conversations, piece))[0] < s[1]]
-        environments = _environments(config, len(parts))
-        if not (output / SETTINGS_FILE).exists():
-            atomic_write_json(output / SETTINGS_FILE, settings)
-        if not _complete(output):
-            dirs = [output / REPLICAS_DIR / f"{p.index}-of-{p.count}" for p in parts]
-            _run_replicas(config, parts, dirs, environments)
-            join_parts(dirs, output, settings["shard"])
-        shutil.rmtree(output / REPLICAS_DIR, ignore_errors=True)
-        data = open_training_data(output, num_aux_layers=len(settings["target_layer_ids"]))
-        data.vocab_mapping(config.draft_vocab_size)
-        return data
+def generate_with_replicas(
+    config: DataGenConfig, output: Path, settings: dict, prompts
+) -> TrainingData:
+    """:func:`~.build_data.generate_data` with ``config.data_parallel_size`` replicas, in the
+    output it has opened and checked (``settings``, ``prompts``: what it opened)."""
+    replies = config.replies
+    conversations = len(prompts) * replies.num_samples
+    piece = piece_size(replies.batch_size, replies.num_samples)
+    parts = [config.part.replica(r, config.data_parallel_size)
+             for r in range(config.data_parallel_size)]
+    # a replica whose span holds no piece has nothing to make
+    parts = [p for p in parts if (s := p.span(conversations, piece))[0] < s[1]]
+    environments = _environments(config, len(parts))
+    if not (output / SETTINGS_FILE).exists():
+        atomic_write_json(output / SETTINGS_FILE, settings)
+    if not _complete(output):
+        dirs = [output / REPLICAS_DIR / f"{p.index}-of-{p.count}" for p in parts]
+        _run_replicas(config, parts, dirs, environments)
+        join_parts(dirs, output, settings["shard"])
+    shutil.rmtree(output / REPLICAS_DIR, ignore_errors=True)
+    data = open_training_data(output, num_aux_layers=len(settings["target_layer_ids"]))
+    data.vocab_mapping(config.draft_vocab_size)
+    return data
 
 
 def _complete(output: Path) -> bool:

@@ -102,15 +102,39 @@ def _model_prefix(ckpt: DraftCheckpoint) -> Iterator[Finding]:
         )
 
 
-def _mask_hidden(w: _Weights) -> Iterator[Finding]:
-    if "mask_hidden" not in w.shapes:
-        yield error(
-            "mask-hidden",
-            "the weights have no mask_hidden, the learned hidden state of the K-1 "
-            "parallel slots; vLLM refuses to load the draft.",
-            "Train the draft as P-EAGLE (a draft without mask_hidden was never "
-            "trained to draft in parallel).",
-        )
+WeightRule = Callable[[_Weights], Iterable[Finding]]
+
+
+def _unsaved(name: str, finding: Finding) -> WeightRule:
+    """The rule of a weight that must be saved: ``finding`` when ``name`` is not."""
+
+    def rule(w: _Weights) -> Iterator[Finding]:
+        if name not in w.shapes:
+            yield finding
+
+    return rule
+
+
+def _named(code: str, names: Callable[[_Weights], Iterable[str]], message: str, fix: str,
+           mechanical: bool = False) -> WeightRule:
+    """The rule of weights that must not be missing or saved: one error when ``names`` picks
+    any, its ``message`` naming them (sorted) at ``{names}``."""
+
+    def rule(w: _Weights) -> Iterator[Finding]:
+        found = sorted(names(w))
+        if found:
+            yield error(code, message.format(names=found), fix, mechanical)
+
+    return rule
+
+
+_mask_hidden = _unsaved("mask_hidden", error(
+    "mask-hidden",
+    "the weights have no mask_hidden, the learned hidden state of the K-1 "
+    "parallel slots; vLLM refuses to load the draft.",
+    "Train the draft as P-EAGLE (a draft without mask_hidden was never "
+    "trained to draft in parallel).",
+))
 
 
 def _d2t_saved(w: _Weights) -> Iterator[Finding]:
@@ -128,47 +152,32 @@ def _d2t_saved(w: _Weights) -> Iterator[Finding]:
     )
 
 
-def _embed_tokens(w: _Weights) -> Iterator[Finding]:
-    if "embed_tokens.weight" not in w.shapes:
-        yield warning(
-            "embed-tokens",
-            "embed_tokens is not saved; vLLM uses the target's embedding, so the "
-            "mask token's embedding is the target's row, not a trained one.",
-            "Save embed_tokens with the draft.",
-        )
-
-
-def _missing_weights(w: _Weights) -> Iterator[Finding]:
-    missing = sorted(set(w.expected) - set(w.shapes) - _OWN_RULES)
-    missing = [n for n in missing if n != _SKIPPED_BY_VLLM]
-    if missing:
-        yield error(
-            "missing-weights",
-            f"weights {missing} are missing; vLLM would leave them uninitialised.",
-            "Save the complete draft state dict.",
-        )
-
-
-def _verifier_only_weights(w: _Weights) -> Iterator[Finding]:
-    verifier_only = sorted(n for n in w.shapes if n in VERIFIER_ONLY)
-    if verifier_only:
-        yield error(
-            "extra-weights",
-            f"training-only weights {verifier_only} are saved; vLLM has no such "
-            "parameters and refuses to load them.",
-            "Drop them.",
-            mechanical=True,
-        )
-
-
-def _foreign_weights(w: _Weights) -> Iterator[Finding]:
-    extra = sorted(set(w.shapes) - set(w.expected) - set(VERIFIER_ONLY) - {_SKIPPED_BY_VLLM})
-    if extra:
-        yield error(
-            "extra-weights",
-            f"weights {extra} do not belong to this config's draft; vLLM refuses them.",
-            "Save the weights of the draft the config describes.",
-        )
+_embed_tokens = _unsaved("embed_tokens.weight", warning(
+    "embed-tokens",
+    "embed_tokens is not saved; vLLM uses the target's embedding, so the "
+    "mask token's embedding is the target's row, not a trained one.",
+    "Save embed_tokens with the draft.",
+))
+_missing_weights = _named(
+    "missing-weights",
+    lambda w: set(w.expected) - set(w.shapes) - _OWN_RULES - {_SKIPPED_BY_VLLM},
+    "weights {names} are missing; vLLM would leave them uninitialised.",
+    "Save the complete draft state dict.",
+)
+_verifier_only_weights = _named(
+    "extra-weights",
+    lambda w: (n for n in w.shapes if n in VERIFIER_ONLY),
+    "training-only weights {names} are saved; vLLM has no such parameters and refuses to "
+    "load them.",
+    "Drop them.",
+    mechanical=True,
+)
+_foreign_weights = _named(
+    "extra-weights",
+    lambda w: set(w.shapes) - set(w.expected) - set(VERIFIER_ONLY) - {_SKIPPED_BY_VLLM},
+    "weights {names} do not belong to this config's draft; vLLM refuses them.",
+    "Save the weights of the draft the config describes.",
+)
 
 
 def _shapes(w: _Weights) -> Iterator[Finding]:
@@ -182,7 +191,7 @@ def _shapes(w: _Weights) -> Iterator[Finding]:
             )
 
 
-_RULES: tuple[Callable[[_Weights], Iterable[Finding]], ...] = (
+_RULES: tuple[WeightRule, ...] = (
     _mask_hidden,
     _d2t_saved,
     _embed_tokens,

@@ -38,6 +38,13 @@ def run_cli(args):
     return result.exit_code, result.output
 
 
+def train_ok(workdir, save, *extra):
+    """``save`` after a ``train`` (``train_args``) that must exit 0."""
+    code, out = run_cli(train_args(workdir, save, *extra))
+    assert code == 0, out
+    return save
+
+
 def refusal(code, out):
     """The one-line error of a refused command."""
     assert code == 1, out
