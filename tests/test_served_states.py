@@ -296,14 +296,23 @@ def listening_pid(base: str) -> int:
     return pid
 
 
+@pytest.fixture
+def own_server(workdir, tmp_path):
+    """A server of the target for one test alone (one that kills it: under xdist's work
+    stealing any test of the module may run after it, on the module's server)."""
+    env = {"PYTHONPATH": str(REPO)}
+    with vllm_server(serve(str(workdir / "target"), tmp_path / "server-states"),
+                     tmp_path / "serve.log", workdir, env) as base:
+        yield base, tmp_path / "server-states"
+
+
 @pytest.mark.slow
 def test_zz_a_server_killed_mid_run_retries_then_one_sentence_and_the_rerun_resumes(
-    workdir, server, on_the_files, tmp_path, monkeypatch
+    workdir, own_server, on_the_files, tmp_path, monkeypatch
 ):
-    """Runs last: it kills the module's server before the second step's rows are read (the
-    refusals run first, before the module's server starts: one engine at a time). The rerun
-    fetches from a new server at another address."""
-    base, _ = server
+    """It kills its own server before the second step's rows are read. The rerun fetches
+    from a new server at another address."""
+    base, _ = own_server
     attempts, fetch_row, read = [], served_states.ServedHiddenStates._fetch_row, RowsAhead._read
 
     def killing_before_step_two(self, step):
