@@ -82,7 +82,7 @@ def server(workdir):
 
 
 # AdamW: Muon's bfloat16 Newton-Schulz lifts the served states' last-bit differences from
-# the files' to ~1e-4 of the loss by step 2, past the rounding these tests allow.
+# the files' past the rounding these tests allow within a step or two.
 def train(workdir, save, data="tokens", *extra, verifier="target"):
     return run_cli([
         "train", "--verifier-name-or-path", str(workdir / verifier), "--data-path",
