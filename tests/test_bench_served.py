@@ -57,6 +57,22 @@ def test_the_token_copy_leaves_the_hidden_states_out(tmp_path):
     assert bench_served.token_ids_only(data, out) == out and not (out / "more").exists()
 
 
+def test_the_state_bytes_are_counted_per_token_of_the_rows(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"seq_len": [3, 5]}).save_to_disk(str(tmp_path))
+    (tmp_path / "hidden_states" / "0").mkdir(parents=True)
+    (tmp_path / "hidden_states" / "0" / "a.safetensors").write_bytes(b"x" * 80)
+    (tmp_path / "hidden_states" / "b.safetensors").write_bytes(b"x" * 16)
+    assert bench_served.state_bytes_per_token(tmp_path) == 96 / 8
+
+
+def test_the_arms_run_files_then_online_then_each_server_count():
+    args = bench_served._parse_args(["--servers", "2", "1", "--online"])
+    assert bench_served.arms(args) == ["files", "online", "1 server", "2 servers"]
+    assert bench_served.arms(bench_served._parse_args([])) == ["files", "1 server", "2 servers"]
+
+
 def test_inputs_come_from_the_flags_together_or_the_demo_dir(tmp_path):
     args = bench_served._parse_args(["--target", "t", "--demo-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="go together"):
@@ -67,7 +83,8 @@ def test_inputs_come_from_the_flags_together_or_the_demo_dir(tmp_path):
 
 @pytest.mark.slow
 def test_the_benchmark_runs_shortened_on_the_tiny_target(tmp_path):
-    """Files and 1 server, 2 steps (one engine start): the same losses."""
+    """Files, the target in process and 1 server, 2 steps (one engine start): the same
+    losses (the in-process target's states round otherwise than vLLM's)."""
     tiny_vllm_target(tmp_path / "target", seed=0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
@@ -83,17 +100,19 @@ def test_the_benchmark_runs_shortened_on_the_tiny_target(tmp_path):
     )
     cmd = [sys.executable, "-m", "eval.bench_served"] + (
         f"--target {tmp_path}/target --data {tmp_path}/data --config {tmp_path}/train.yaml "
-        f"--steps 2 --warmup 1 --servers 1 --enforce-eager --out {tmp_path}/out"
+        f"--steps 2 --warmup 1 --servers 1 --enforce-eager --online --out {tmp_path}/out"
     ).split()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     record = json.loads((tmp_path / "out" / "bench_served.json").read_text())
-    assert record["arms"] == ["files", "1 server"] and record["seeds"] == [3]
+    assert record["arms"] == ["files", "online", "1 server"] and record["seeds"] == [3]
+    assert record["state_bytes_per_token"] > 0
     assert record["provenance"]["argv"] and record["steps"] == 2
     cells = record["cells"]
     arms = [(c["arm"], c["steps"]) for c in cells]
-    assert arms == [("files", 2), ("1 server", 2)]
+    assert arms == [("files", 2), ("online", 2), ("1 server", 2)]
     for cell in cells:
         assert cell["tokens_per_s"] > 0
-        assert cell["losses"] == pytest.approx(cells[0]["losses"], rel=1e-5, abs=1e-6)
+        rel = 1e-3 if cell["arm"] == "online" else 1e-5
+        assert cell["losses"] == pytest.approx(cells[0]["losses"], rel=rel, abs=1e-6)
     assert "| 1 server | 3 | 2 |" in done.stdout

@@ -366,6 +366,45 @@ def test_cpu_parallel_sizes_follow_vllm_cpus_binding_rule(cpu_machine, size, nod
             check_parallel_size(size)
 
 
+@pytest.mark.parametrize(
+    ("args", "nodes", "cores", "env", "bound"),
+    [
+        ({}, 1, {4, 5}, {}, "4,5"),
+        ({"tensor_parallel_size": 1, "pipeline_parallel_size": 1}, 1, {5, 4}, {}, "4,5"),
+        ({}, 1, {4, 5}, {"VLLM_CPU_OMP_THREADS_BIND": "5"}, None),
+        ({}, 1, {4, 5}, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, None),
+        ({"tensor_parallel_size": 2}, 1, {4, 5}, {}, None),
+        ({"pipeline_parallel_size": 2}, 1, {4, 5}, {}, None),
+        ({}, 2, {4, 5}, {}, None),
+        ({}, 1, {4}, {}, None),
+        ({}, 1, set(range(5)), {}, None),
+        ({}, 1, set(range(4)), {}, "0,1,2,3"),
+    ],
+)
+def test_a_one_rank_engine_on_a_small_machine_binds_every_core(
+    cpu_machine, monkeypatch, args, nodes, cores, env, bound
+):
+    """vllm-cpu's auto binding keeps a core back; ours binds them all where that is a large
+    share, and leaves a binding the environment sets, several ranks and NUMA nodes alone."""
+    cpu_machine(nodes, **env)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
+    assert engine_start.every_core_binding(args) == bound
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_OMP_THREADS_BIND": "4,5"}),
+    ({"VLLM_USE_AOT_COMPILE": "1"}, {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_USE_AOT_COMPILE": "0"}),
+    ({"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_OMP_THREADS_BIND": "4"}, {}),
+])
+def test_a_cpu_engine_sets_only_what_the_environment_leaves_unset(
+    cpu_machine, monkeypatch, env, expected
+):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    cpu_machine(1, **env)
+    assert engine_start.cpu_engine_env({}) == expected
+
+
 def test_a_cuda_parallel_size_needs_a_gpu_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

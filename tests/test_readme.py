@@ -24,6 +24,7 @@ from helpers.imports import recorded, recording_hook
 from helpers.serve import vllm_server
 from tiny_vllm import tiny_vllm_target
 
+from speculators_peagle_plugin.engine.engine_start import every_core_binding
 from tools import prepare_gpu
 
 REPO = Path(__file__).parent.parent
@@ -306,6 +307,10 @@ def test_quick_demo_end_to_end_then_side_by_side(tmp_path):
     assert "recommendation" in out and all(Path(p).is_file() for p in summary["plots"])
     assert f"run directory: {run_dir.resolve()}" in out
     assert (run_dir / "trained-draft" / "model.safetensors").is_file()
+    binding = every_core_binding({})
+    if binding is not None:  # a small machine: the eval's engines ran on every core
+        logs = "".join(p.read_text() for p in (run_dir / "eval").glob("vllm_worker*.log"))
+        assert f"core ids={sorted(map(int, binding.split(',')))}" in logs
 
     (cmd,) = commands_of(("side_by_side",))
     words = prepared(cmd, tmp_path, "")

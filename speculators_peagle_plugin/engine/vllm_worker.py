@@ -61,7 +61,12 @@ class Worker:
             return self.llm
         self.shutdown()
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        from speculators_peagle_plugin.engine.engine_start import cpu_engine_env
+
+        if current_platform.is_cpu():  # vLLM reads them as the engine starts
+            os.environ.update(cpu_engine_env({**args, **job.engine_overrides}))
         self.emit({"event": "engine_starting"})
         start = time.perf_counter()
         llm = LLM(**args, **job.engine_overrides)
