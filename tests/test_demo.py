@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from yaml import safe_dump
 
 from speculators_peagle_plugin.demo import pipeline as demo
 from speculators_peagle_plugin.model.model_card import CARD_FILE, read_card, write_model_card
@@ -303,8 +304,14 @@ def test_pipeline_resumes_after_a_failed_stage_and_reports_acceptance_and_speed(
     assert summary["recommendation"][0]["k"] == 2
     assert any("concurrency 1: K=2 (1.40x)" in line for line in lines)
     assert not any("goal" in line or "NOT met" in line for line in lines)
-    # Editing the training YAML after training is refused, not silently mixed.
-    yaml.write_text(yaml.read_text() + "seed: 7\n")
+    # The same settings written flat (the golden flat form), with a comment: nothing reruns.
+    grouped = yaml.read_text()
+    flat = json.loads((Path(__file__).parent / "golden" / "flat_configs.json").read_text())
+    yaml.write_text("# the same settings, flat\n" + safe_dump(flat["demo_smollm2.yaml"]))
+    demo.run_demo(config, echo=lambda s: None)
+    assert [c[0] for c in cli.commands] == ["generate-data", "train", "check", "eval"]
+    # Editing the training YAML's settings after training is refused, not silently mixed.
+    yaml.write_text(grouped + "seed: 7\n")
     with pytest.raises(ValueError, match=r"'train' stage made with other settings"):
         demo.run_demo(config, echo=lambda s: None)
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..common.devices import cpu_has_bfloat16, cpu_target_dtype, cpu_train_settings
 from ..common.errors import OneSentenceError
+from ..common.reading import read_yaml_mapping
 from ..data.prompts import read_training_prompts
 from ..datagen.datagen_config import DataGenConfig
 from ..evaluation.eval_config import EvalConfig
@@ -92,6 +93,15 @@ class DemoError(OneSentenceError, RuntimeError):
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _settings_sha256(yaml_path: Path) -> str:
+    """The hash of a training YAML's settings: its comments, key order and grouping under
+    sections do not change it, so such an edit leaves a finished train stage resumable."""
+    flat = {}
+    for key, value in read_yaml_mapping(yaml_path).items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return _sha256(json.dumps(flat, sort_keys=True, default=str).encode())
 
 
 def _command(args: list[str], echo: Echo, stage: str) -> None:
@@ -218,7 +228,7 @@ def _data_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ech
 
 
 def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Echo,
-                 target: Path, yaml_sha256: str, data_inputs: dict,
+                 target: Path, settings_sha256: str, data_inputs: dict,
                  native_bf16: bool, draft_vocab_size: int) -> str:
     """train; returns the directory of the checkpoint to serve: the final one, or with
     validation prompts the best one (``train/best``)."""
@@ -239,7 +249,7 @@ def _train_stage(config: DemoConfig, stages: Stages, layout: RunLayout, echo: Ec
             return {"checkpoint": str(layout.train / BEST_DIR)}
         return {"checkpoint": str(checkpoint_dirs(layout.train)[-1])}
 
-    inputs = {"config_sha256": yaml_sha256, "max_steps": config.max_steps,
+    inputs = {"config_settings_sha256": settings_sha256, "max_steps": config.max_steps,
               "native_bf16": native_bf16,
               "data": _sha256(json.dumps(data_inputs, sort_keys=True).encode())}
     if config.early_stop_patience is not None:
@@ -324,7 +334,7 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
     layout.root.mkdir(parents=True, exist_ok=True)
     stages = Stages(layout.root, echo)
     began = time.perf_counter()
-    yaml_sha256 = _sha256(Path(config.train_config).read_text().encode())
+    settings_sha256 = _settings_sha256(Path(config.train_config))
     target = _target_stage(stages)
     prompts = _prompts_stage(config, stages, layout.prompts, target)
     native_bf16 = cpu_has_bfloat16()
@@ -339,7 +349,7 @@ def run_demo(config: DemoConfig, echo: Echo = print) -> dict:
             config, stages, layout, echo, target, held_out, dtype, draft_vocab_size,
             "validation data", layout.validation_prompts, layout.validation_data,
         )
-    trained = _train_stage(config, stages, layout, echo, target, yaml_sha256, data_inputs,
+    trained = _train_stage(config, stages, layout, echo, target, settings_sha256, data_inputs,
                            native_bf16, draft_vocab_size)
     _drafts_stage(config, stages, layout, target, trained, draft_vocab_size)
     _check_stage(config, stages, layout, echo, target, trained)
