@@ -403,6 +403,9 @@ def test_a_cpu_engine_sets_only_what_the_environment_leaves_unset(
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     cpu_machine(1, **env)
     assert engine_start.cpu_engine_env({}) == expected
+    # judged against the environment given, not the process's
+    assert engine_start.cpu_engine_env({}, environ={**env, "VLLM_USE_AOT_COMPILE": "1"}) == {
+        k: v for k, v in expected.items() if k != "VLLM_USE_AOT_COMPILE"}
 
 
 def test_a_cuda_parallel_size_needs_a_gpu_per_rank(monkeypatch):

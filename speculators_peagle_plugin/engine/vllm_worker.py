@@ -46,6 +46,7 @@ class Worker:
         self.llm = None
         self.key = None
         self.serial = 0  # request ids stay unique across jobs on one engine
+        self.environ = dict(os.environ)  # the user's, before any engine's variables
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -63,10 +64,19 @@ class Worker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        from speculators_peagle_plugin.engine.engine_start import cpu_engine_env
+        from speculators_peagle_plugin.engine.engine_start import (
+            CPU_ENGINE_VARIABLES,
+            cpu_engine_env,
+        )
 
         if current_platform.is_cpu():  # vLLM reads them as the engine starts
-            os.environ.update(cpu_engine_env({**args, **job.engine_overrides}))
+            chosen = cpu_engine_env({**args, **job.engine_overrides}, self.environ)
+            for name in CPU_ENGINE_VARIABLES:  # each engine's own, never an earlier one's
+                value = chosen.get(name, self.environ.get(name))
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self.emit({"event": "engine_starting"})
         start = time.perf_counter()
         llm = LLM(**args, **job.engine_overrides)
