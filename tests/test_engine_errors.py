@@ -408,6 +408,18 @@ def test_a_cpu_engine_sets_only_what_the_environment_leaves_unset(
         k: v for k, v in expected.items() if k != "VLLM_USE_AOT_COMPILE"}
 
 
+def test_each_engine_gets_its_own_variables_never_an_earlier_engines(cpu_machine):
+    cpu_machine(1)
+    target = {}
+    engine_start.set_cpu_engine_env({}, {}, target)
+    assert target == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    engine_start.set_cpu_engine_env({"tensor_parallel_size": 2}, {}, target)
+    assert target == {"VLLM_USE_AOT_COMPILE": "0"}  # the first engine's binding is gone
+    user = {"VLLM_CPU_OMP_THREADS_BIND": "5", "VLLM_USE_AOT_COMPILE": "1"}
+    engine_start.set_cpu_engine_env({}, user, target)
+    assert target == user
+
+
 def test_a_cuda_parallel_size_needs_a_gpu_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -167,6 +167,20 @@ def cpu_engine_env(engine_args: dict, environ=os.environ) -> dict[str, str]:
     return env
 
 
+def set_cpu_engine_env(engine_args: dict, environ, target=os.environ) -> None:
+    """Set in ``target`` (the environment vLLM reads as an engine starts) each of
+    :data:`CPU_ENGINE_VARIABLES` as :func:`cpu_engine_env` chooses it for ``engine_args``
+    against the user's ``environ``, else as ``environ`` has it (unset if it has none): an
+    engine never inherits an earlier engine's choice."""
+    chosen = cpu_engine_env(engine_args, environ)
+    for name in CPU_ENGINE_VARIABLES:
+        value = chosen.get(name, environ.get(name))
+        if value is None:
+            target.pop(name, None)
+        else:
+            target[name] = value
+
+
 def every_core_binding(engine_args: dict, environ=os.environ) -> str | None:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` that has a CPU engine of one rank on a small machine
     run its threads on every core this process may use; None where vLLM's binding stays:

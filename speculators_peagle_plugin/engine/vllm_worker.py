@@ -64,19 +64,10 @@ class Worker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        from speculators_peagle_plugin.engine.engine_start import (
-            CPU_ENGINE_VARIABLES,
-            cpu_engine_env,
-        )
+        from speculators_peagle_plugin.engine.engine_start import set_cpu_engine_env
 
-        if current_platform.is_cpu():  # vLLM reads them as the engine starts
-            chosen = cpu_engine_env({**args, **job.engine_overrides}, self.environ)
-            for name in CPU_ENGINE_VARIABLES:  # each engine's own, never an earlier one's
-                value = chosen.get(name, self.environ.get(name))
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        if current_platform.is_cpu():
+            set_cpu_engine_env({**args, **job.engine_overrides}, self.environ)
         self.emit({"event": "engine_starting"})
         start = time.perf_counter()
         llm = LLM(**args, **job.engine_overrides)
