@@ -6,6 +6,7 @@ The log snippets are what vLLM 0.32 (CPU) writes: its logger prefixes every line
 message, tracebacks included, with the process, level, time and source and joins them with
 "\\r\\n"; Python itself writes a dying process's traceback and fatal errors bare."""
 
+import copy
 import os
 import re
 import textwrap
@@ -418,6 +419,18 @@ def test_each_engine_gets_its_own_variables_never_an_earlier_engines(cpu_machine
     user = {"VLLM_CPU_OMP_THREADS_BIND": "5", "VLLM_USE_AOT_COMPILE": "1"}
     engine_start.set_cpu_engine_env({}, user, target)
     assert target == user
+
+
+def test_the_variables_follow_os_environ_when_it_is_replaced(cpu_machine, monkeypatch):
+    """``datasets``' multiprocess ``map`` replaces ``os.environ`` with a copy: the engine's
+    variables go to, and the user's come from, the object vLLM will read."""
+    cpu_machine(1)
+    monkeypatch.setattr(os, "environ", copy.deepcopy(os.environ))
+    os.environ["VLLM_USE_AOT_COMPILE"] = "1"
+    assert engine_start.cpu_engine_env({}) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    engine_start.set_cpu_engine_env({}, {})
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "4,5"
 
 
 def test_a_cuda_parallel_size_needs_a_gpu_per_rank(monkeypatch):

@@ -151,7 +151,7 @@ SMALL_MACHINE_CORES = 4
 CPU_ENGINE_VARIABLES = ("VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND")
 
 
-def cpu_engine_env(engine_args: dict, environ=os.environ) -> dict[str, str]:
+def cpu_engine_env(engine_args: dict, environ=None) -> dict[str, str]:
     """The variables a CPU engine of ``engine_args`` starts with where ``environ`` (the
     user's environment) leaves them unset: its threads on every core
     (:func:`every_core_binding`), and vLLM's compile cache without AOT
@@ -160,6 +160,7 @@ def cpu_engine_env(engine_args: dict, environ=os.environ) -> dict[str, str]:
     every start compiled anew; the older cache loads, and an engine started before starts in
     about half the time, decoding as fast (`python -m eval.bench_engine_env` measures both).
     """
+    environ = os.environ if environ is None else environ
     env = {} if "VLLM_USE_AOT_COMPILE" in environ else {"VLLM_USE_AOT_COMPILE": "0"}
     binding = every_core_binding(engine_args, environ)
     if binding is not None:
@@ -167,11 +168,13 @@ def cpu_engine_env(engine_args: dict, environ=os.environ) -> dict[str, str]:
     return env
 
 
-def set_cpu_engine_env(engine_args: dict, environ, target=os.environ) -> None:
+def set_cpu_engine_env(engine_args: dict, environ, target=None) -> None:
     """Set in ``target`` (the environment vLLM reads as an engine starts) each of
     :data:`CPU_ENGINE_VARIABLES` as :func:`cpu_engine_env` chooses it for ``engine_args``
     against the user's ``environ``, else as ``environ`` has it (unset if it has none): an
-    engine never inherits an earlier engine's choice."""
+    engine never inherits an earlier engine's choice. ``target`` defaults to ``os.environ`` as
+    it is at the call: ``datasets``' multiprocess ``map`` replaces that object with a copy."""
+    target = os.environ if target is None else target
     chosen = cpu_engine_env(engine_args, environ)
     for name in CPU_ENGINE_VARIABLES:
         value = chosen.get(name, environ.get(name))
@@ -181,7 +184,7 @@ def set_cpu_engine_env(engine_args: dict, environ, target=os.environ) -> None:
             target[name] = value
 
 
-def every_core_binding(engine_args: dict, environ=os.environ) -> str | None:
+def every_core_binding(engine_args: dict, environ=None) -> str | None:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` that has a CPU engine of one rank on a small machine
     run its threads on every core this process may use; None where vLLM's binding stays:
     the environment sets one, several ranks, several NUMA nodes, a larger machine.
@@ -191,6 +194,7 @@ def every_core_binding(engine_args: dict, environ=os.environ) -> str | None:
     idles while the engine decodes. On all of them it decodes faster (`python -m
     eval.bench_engine_env` measures it). Example: one rank, cores {0, 1} -> ``"0,1"``.
     """
+    environ = os.environ if environ is None else environ
     if "VLLM_CPU_OMP_THREADS_BIND" in environ:
         return None
     ranks = engine_args.get("tensor_parallel_size", 1) * engine_args.get(
