@@ -1,10 +1,13 @@
 """The demo's prompt stages: validation prompts that are also training prompts (a chat set
-repeats first turns) are left out, counted and said; the oracle is the sets themselves."""
+repeats first turns; ``sharegpt_turns`` holds ``sharegpt``'s) are left out, counted and said;
+the oracles are the sets themselves and every prompt of every conversation, by brute force."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
+from helpers.every_turn import sentence, sharegpt_file, turn
 
 from speculators_peagle_plugin.data.prompts import load_prompt_set
 from speculators_peagle_plugin.demo.artifacts import RunLayout
@@ -41,3 +44,43 @@ def test_validation_prompts_that_are_training_prompts_are_left_out(tmp_path):
     with pytest.raises(ValueError, match="made with other settings \\(training_left_out\\)"):
         _prompts_stage(config, Stages(tmp_path, said.append), layout.validation_prompts,
                        tmp_path, "validation prompts", config.validation_prompts, layout.prompts)
+
+
+@pytest.fixture
+def fake_sharegpt(tmp_path, monkeypatch):
+    yield from sharegpt_file(tmp_path, monkeypatch)
+
+
+def prompts_of(conversation):
+    """Every prompt generation answers in ``conversation``: each user turn with the system and
+    user turns before it (the replies are written anew)."""
+    asked = [m for m in conversation if m["role"] in ("system", "user")]
+    return {json.dumps(asked[: i + 1]) for i, m in enumerate(asked) if m["role"] == "user"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_validation_conversation_that_opens_as_a_training_one_is_left_out(
+    tmp_path, fake_sharegpt, seed
+):
+    rng = random.Random(seed)
+    openings = [sentence(rng, 4) for _ in range(4)]  # few: conversations share them
+    fake_sharegpt([
+        {"conversations": [turn(("human", "gpt")[i % 2],
+                                rng.choice(openings) if i == 0 else sentence(rng, 5))
+                           for i in range(rng.randint(1, 6))]}
+        for _ in range(16)
+    ])
+    config = DemoConfig.from_recipe(
+        RECIPE, run_dir=str(tmp_path), train_prompts=("sharegpt_turns[0:6]",),
+        validation_prompts=("sharegpt_turns[6:]+sharegpt",), max_prompt_tokens=None,
+    )
+    layout, said = RunLayout(tmp_path), []
+    stages = Stages(tmp_path, said.append)
+    _prompts_stage(config, stages, layout.prompts, tmp_path)
+    out = _prompts_stage(config, stages, layout.validation_prompts, tmp_path,
+                         "validation prompts", config.validation_prompts, layout.prompts)
+    trained = set().union(*map(prompts_of, rows(layout.prompts)))
+    candidates = load_prompt_set("sharegpt_turns[6:]+sharegpt").conversations
+    held = [c for c in candidates if not prompts_of(c) & trained]
+    assert rows(layout.validation_prompts) == held
+    assert out["left_out"] == len(candidates) - len(held) > 0

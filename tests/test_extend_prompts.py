@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.every_turn import sharegpt_file, turn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculators_peagle_plugin.data.prompts import load_prompt_set  # noqa: E402
@@ -81,3 +82,22 @@ def test_a_second_extension_continues_the_first(tmp_path, capsys):
         f"--after {missing} is not a file; give the prompts files of earlier extensions."
     )
     assert len(second.read_text().splitlines()) == 3  # the file written before is untouched
+
+
+@pytest.fixture
+def fake_sharegpt(tmp_path, monkeypatch):
+    yield from sharegpt_file(tmp_path, monkeypatch)
+
+
+def test_an_extension_leaves_out_a_conversation_that_opens_as_a_validation_prompt(
+    tmp_path, fake_sharegpt
+):
+    fake_sharegpt([{"conversations": [turn("human", f"question {i} here"), turn("gpt", "a"),
+                                      turn("human", f"more on {i}")]} for i in range(5)])
+    turns = load_prompt_set("sharegpt_turns").conversations
+    opening = load_prompt_set("sharegpt[3:4]").conversations[0]  # sharegpt_turns[3]'s first
+    run = long_run(tmp_path, "sharegpt_turns[0:2]", opening)
+    out = tmp_path / "ext" / "train_prompts.jsonl"
+    assert extend_prompts(run, "sharegpt_turns", out) == 2
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert rows == [turns[2], turns[4]]

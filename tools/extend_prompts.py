@@ -30,6 +30,7 @@ from pathlib import Path
 
 from eval.scaling_cells import run_inputs
 from speculators_peagle_plugin.common.files import atomic_write_text
+from speculators_peagle_plugin.data.prompts import first_prompt_key
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.demo.artifacts import (
     RunLayout,
@@ -46,6 +47,12 @@ def _lines(path: Path) -> list[str]:
 
 def _key(line: str) -> str:
     return json.dumps(json.loads(line), sort_keys=True)
+
+
+def _opening(line: str) -> str:
+    """A prompts file row's first prompt (a validation conversation that shares it is not
+    held out: :func:`first_prompt_key`)."""
+    return first_prompt_key(json.loads(line)["messages"])
 
 
 def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] = ()) -> int:
@@ -76,8 +83,8 @@ def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] 
             f"{run_dir}; give a spec that extends the run's ({', '.join(listed['specs'])})."
         )
     validation = layout.validation_prompts
-    held = {_key(line) for line in _lines(validation)} if validation.is_file() else set()
-    rest = [line for line in lines[len(run) :] if _key(line) not in held]
+    held = {_opening(line) for line in _lines(validation)} if validation.is_file() else set()
+    rest = [line for line in lines[len(run) :] if _opening(line) not in held]
     earlier = [line for path in after for line in _lines(path)]
     if [_key(line) for line in rest[: len(earlier)]] != [_key(line) for line in earlier]:
         raise SystemExit(

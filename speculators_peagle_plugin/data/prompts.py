@@ -367,6 +367,17 @@ HELD_OUT = {
 }
 
 
+def first_prompt_key(conversation: list[dict]) -> str:
+    """A conversation's first prompt, as a key: its messages up to and including the first
+    user turn. Two conversations that share it share the first reply generation writes, and
+    every later prompt of a conversation holds it (``sharegpt_turns`` answers each user turn
+    after the ones before it): a validation conversation whose key a training one has is not
+    held out. Example: ``[user "hi", assistant "hello", user "and?"]`` and ``[user "hi"]``
+    -> the same key."""
+    end = next((i for i, m in enumerate(conversation) if m["role"] == "user"), len(conversation))
+    return json.dumps(conversation[: end + 1], sort_keys=True)
+
+
 def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:
     """Token ids of one conversation with the target's chat template and generation prompt.
 

@@ -43,7 +43,8 @@ class DemoConfig(Settings):
             must not overlap them.
         validation_prompts: held-out prompts whose replies score every checkpoint
             (``train --validation-data-path``; the best checkpoint is the one served);
-            empty: no validation.
+            empty: no validation. One that opens as a training conversation (the same
+            first prompt) is left out.
         early_stop_patience: with validation prompts, stop training once this many
             checkpoints in a row have not beaten the best (None: train every epoch).
         max_prompt_tokens: training and validation prompts longer than this (chat template

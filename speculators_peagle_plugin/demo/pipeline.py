@@ -45,7 +45,7 @@ from pathlib import Path
 from ..common.devices import cpu_has_bfloat16, cpu_target_dtype, cpu_train_settings
 from ..common.errors import OneSentenceError
 from ..common.reading import read_yaml_mapping
-from ..data.prompts import read_training_prompts
+from ..data.prompts import first_prompt_key, read_training_prompts
 from ..datagen.datagen_config import DataGenConfig
 from ..evaluation.eval_config import EvalConfig
 from ..options import config_argv
@@ -161,8 +161,10 @@ def _prompts_stage(
     specs: tuple[str, ...] | None = None, training: Path | None = None,
 ) -> dict:
     """Write ``specs`` (the training prompts by default) to ``path``, held out from eval;
-    with ``training`` (the training prompts' file), its conversations are left out too: a
-    chat set repeats first turns, and a validation prompt must not be a training one."""
+    with ``training`` (the training prompts' file), a conversation that opens as a training
+    one is left out (:func:`first_prompt_key`): a chat set repeats first turns,
+    ``sharegpt_turns`` holds ``sharegpt``'s, and a validation prompt must not be a training
+    one."""
     specs = config.train_prompts if specs is None else specs
     inputs = {"specs": list(specs), "eval": list(config.sweep.prompt_sets)}
     if config.max_prompt_tokens is not None:
@@ -173,12 +175,12 @@ def _prompts_stage(
     def write() -> dict:
         cap = prompt_length_filter(config.max_prompt_tokens, target)
         seen = set() if training is None else {
-            json.dumps(c, sort_keys=True) for c in read_training_prompts(training, guard=False)[0]
+            first_prompt_key(c) for c in read_training_prompts(training, guard=False)[0]
         }
         left_out = []
 
         def keep(conversation: list[dict]) -> bool:
-            if json.dumps(conversation, sort_keys=True) in seen:
+            if first_prompt_key(conversation) in seen:
                 left_out.append(conversation)
                 return False
             return cap is None or cap(conversation)
