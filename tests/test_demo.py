@@ -354,7 +354,8 @@ def test_the_long_recipe_generates_validation_data_and_serves_the_best_checkpoin
 
 def test_a_prompt_filter_leaves_out_what_it_rejects(tmp_path):
     path = tmp_path / "p.jsonl"
-    count = demo.write_prompts(("chat[0:6]",), (), path, keep=lambda c: len(c[-1]["content"]) < 60)
+    count = demo.write_prompts(("chat[0:6]",), (), path,
+                               fit=lambda c: c if len(c[-1]["content"]) < 60 else None)
     rows = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
     assert count == len(rows) and all(len(r[-1]["content"]) < 60 for r in rows)
     assert count < 6

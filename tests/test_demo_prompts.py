@@ -84,3 +84,52 @@ def test_a_validation_conversation_that_opens_as_a_training_one_is_left_out(
     held = [c for c in candidates if not prompts_of(c) & trained]
     assert rows(layout.validation_prompts) == held
     assert out["left_out"] == len(candidates) - len(held) > 0
+
+
+WORDS = "hello world , how are you ? the quick brown fox".split()
+
+
+def worst_case_prompts(tokenizer, conversation, max_new_tokens):
+    """Oracle: each user turn's prompt as generation builds it, every earlier reply
+    ``max_new_tokens`` tokens long ("Z" repeated: one token each in the tiny tokenizer)."""
+    reply = "Z" * max_new_tokens
+    assert len(tokenizer.encode(reply)) == max_new_tokens
+    history, lengths = [], []
+    for m in conversation:
+        if m["role"] == "user":
+            history.append(m)
+            lengths.append(len(tokenizer.apply_chat_template(
+                history, add_generation_prompt=True, tokenize=True, return_dict=False)))
+            history.append({"role": "assistant", "content": reply})
+        elif m["role"] == "system":
+            history.append(m)
+    return lengths
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_length_cap_cuts_a_conversation_before_its_first_turn_that_may_not_fit(
+    target_dir, seed
+):
+    from transformers import AutoTokenizer
+
+    from speculators_peagle_plugin.demo.artifacts import prompt_length_cut
+
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    cap, new = rng.randint(30, 120), rng.randint(2, 12)
+    fit = prompt_length_cut(cap, target_dir, new)
+    cut_inside = 0
+    for _ in range(40):
+        conversation = [{"role": "system", "content": "be brief"}] if rng.random() < 0.3 else []
+        for t in range(rng.randint(1, 4)):
+            if t:
+                conversation.append({"role": "assistant", "content": "recorded , ignored"})
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+            conversation.append({"role": "user", "content": words})
+        lengths = worst_case_prompts(tokenizer, conversation, new)
+        fitting = next((t for t, n in enumerate(lengths) if n > cap), len(lengths))
+        users = [i for i, m in enumerate(conversation) if m["role"] == "user"]
+        expected = conversation[: users[fitting - 1] + 1] if fitting else None
+        assert fit(conversation) == expected
+        cut_inside += 0 < fitting < len(users)
+    assert cut_inside  # the case the cap's multi-turn rule is about

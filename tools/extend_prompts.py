@@ -34,7 +34,7 @@ from speculators_peagle_plugin.data.prompts import first_prompt_key
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.demo.artifacts import (
     RunLayout,
-    prompt_length_filter,
+    prompt_length_cut,
     write_prompts,
 )
 from speculators_peagle_plugin.demo.stages import STATE_FILE
@@ -67,11 +67,12 @@ def extend_prompts(run_dir: Path, spec: str, out: Path, after: tuple[Path, ...] 
     inputs = run_inputs(run_dir)
     stages = json.loads((run_dir / STATE_FILE).read_text())
     listed = stages["prompts"]["inputs"]
-    keep = prompt_length_filter(listed.get("max_prompt_tokens"), inputs["target"])
+    cut = prompt_length_cut(listed.get("max_prompt_tokens"), inputs["target"],
+                            stages["data"]["inputs"]["max_new_tokens"])
     with tempfile.TemporaryDirectory() as tmp:
         every = Path(tmp) / "prompts.jsonl"
         try:
-            write_prompts((spec,), tuple(listed["eval"]), every, keep)
+            write_prompts((spec,), tuple(listed["eval"]), every, cut)
         except ValueError as err:  # an eval prompt in the spec
             raise SystemExit(f"--prompts {spec!r}: {err}") from None
         lines = _lines(every)

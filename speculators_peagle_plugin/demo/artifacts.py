@@ -18,7 +18,7 @@ __all__ = [
     "RunLayout",
     "has_weights",
     "link_draft",
-    "prompt_length_filter",
+    "prompt_length_cut",
     "save_atomically",
     "save_untrained_draft",
     "write_prompts",
@@ -45,31 +45,59 @@ def has_weights(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
-def prompt_length_filter(max_prompt_tokens: int | None, target: Path):
-    """``keep(conversation)`` for :func:`write_prompts`: None without a cap, else whether the
-    conversation in ``target``'s chat template is at most ``max_prompt_tokens`` tokens."""
+def prompt_length_cut(max_prompt_tokens: int | None, target: Path, max_new_tokens: int):
+    """``fit(conversation)`` for :func:`write_prompts`: None without a cap; else the
+    conversation up to its last user turn whose prompt fits ``max_prompt_tokens``, or None
+    when its first does not: a reply after a longer prompt would not fit the training rows.
+
+    Generation answers every user turn in order, after the replies before it
+    (``datagen.generation``), so a turn's prompt is its system and user turns so far in
+    ``target``'s chat template, each earlier reply at its longest: rendered with empty
+    replies, plus ``max_new_tokens`` per reply. Turns after the first that does not fit are
+    cut (their prompts hold its). A one-turn conversation is kept when it renders to at most
+    ``max_prompt_tokens``. Example: cap 400, 100 new tokens, turns whose prompts with empty
+    replies render to 120 and 350 tokens -> the first turn only (350 + 100 > 400).
+    """
     if max_prompt_tokens is None:
         return None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    return lambda c: len(render_conversation(tokenizer, c)) <= max_prompt_tokens
+
+    def fit(conversation: list[dict]) -> list[dict] | None:
+        asked, kept = [], 0
+        for i, message in enumerate(conversation):
+            if message["role"] == "system":
+                asked.append(message)
+            if message["role"] != "user":
+                continue
+            replies = sum(m["role"] == "user" for m in asked)
+            asked.append(message)
+            length = len(render_conversation(tokenizer, asked)) + replies * max_new_tokens
+            if length > max_prompt_tokens:
+                break
+            kept = i + 1
+            asked.append({"role": "assistant", "content": ""})  # the reply generation writes
+        return conversation[:kept] or None
+
+    return fit
 
 
 def write_prompts(
-    train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path, keep=None
+    train_specs: tuple[str, ...], eval_specs: tuple[str, ...], path: Path, fit=None
 ) -> int:
     """Write the training conversations as ``{"messages": [...]}`` rows; returns the count.
 
     Uses the eval harness's loader, so training and held-out prompts are rendered alike
     (HumanEval as "Complete the following Python function." + the prompt's code). Raises
     ``ValueError`` if an eval conversation is also a training one (it would not be held out).
-    ``keep(conversation) -> bool``, if given, leaves out the conversations it rejects.
+    ``fit(conversation) -> conversation | None``, if given, is written in each one's place
+    (None: left out), e.g. :func:`prompt_length_cut`'s.
     Example: ("humaneval[0:120]", "chat[0:100]") -> 220 rows.
     """
     rows = [c for spec in train_specs for c in load_prompt_set(spec).conversations]
-    if keep is not None:
-        rows = [c for c in rows if keep(c)]
+    if fit is not None:
+        rows = [c for c in map(fit, rows) if c is not None]
     seen = {json.dumps(c, sort_keys=True) for c in rows}
     for spec in eval_specs:
         held_out = load_prompt_set(spec).conversations

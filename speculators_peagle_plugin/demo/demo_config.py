@@ -48,7 +48,9 @@ class DemoConfig(Settings):
         early_stop_patience: with validation prompts, stop training once this many
             checkpoints in a row have not beaten the best (None: train every epoch).
         max_prompt_tokens: training and validation prompts longer than this (chat template
-            applied) are left out: a reply after them would not fit the training rows.
+            applied) are left out: a reply after them would not fit the training rows. A
+            conversation of several user turns is cut before the first whose prompt, each
+            reply before it at its longest, is longer (``artifacts.prompt_length_cut``).
         replies: generate-data's reply settings (keys ``max_new_tokens``, ``num_samples``,
             ``temperature``, ``gen_backend``, ``gen_batch_size``).
         max_steps: cap on optimizer steps (None: the YAML's epochs).

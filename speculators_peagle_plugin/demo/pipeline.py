@@ -58,7 +58,7 @@ from .artifacts import (
     RunLayout,
     has_weights,
     link_draft,
-    prompt_length_filter,
+    prompt_length_cut,
     save_atomically,
     save_untrained_draft,
     write_prompts,
@@ -173,19 +173,19 @@ def _prompts_stage(
         inputs["training_left_out"] = True
 
     def write() -> dict:
-        cap = prompt_length_filter(config.max_prompt_tokens, target)
+        cut = prompt_length_cut(config.max_prompt_tokens, target, config.replies.max_new_tokens)
         seen = set() if training is None else {
             first_prompt_key(c) for c in read_training_prompts(training, guard=False)[0]
         }
         left_out = []
 
-        def keep(conversation: list[dict]) -> bool:
+        def fit(conversation: list[dict]) -> list[dict] | None:
             if first_prompt_key(conversation) in seen:
                 left_out.append(conversation)
-                return False
-            return cap is None or cap(conversation)
+                return None
+            return conversation if cut is None else cut(conversation)
 
-        count = write_prompts(specs, config.sweep.prompt_sets, path, keep)
+        count = write_prompts(specs, config.sweep.prompt_sets, path, fit)
         note = f" ({len(left_out)} left out: training prompts too)" if left_out else ""
         stages.echo(f"[{name}] {count} conversations -> {path}{note}")
         return {"count": count, "left_out": len(left_out), "sha256": _sha256(path.read_bytes())}
