@@ -368,14 +368,16 @@ HELD_OUT = {
 
 
 def first_prompt_key(conversation: list[dict]) -> str:
-    """A conversation's first prompt, as a key: its messages up to and including the first
-    user turn. Two conversations that share it share the first reply generation writes, and
-    every later prompt of a conversation holds it (``sharegpt_turns`` answers each user turn
-    after the ones before it): a validation conversation whose key a training one has is not
-    held out. Example: ``[user "hi", assistant "hello", user "and?"]`` and ``[user "hi"]``
-    -> the same key."""
-    end = next((i for i, m in enumerate(conversation) if m["role"] == "user"), len(conversation))
-    return json.dumps(conversation[: end + 1], sort_keys=True)
+    """A conversation's first prompt, as a key: its non-empty system and user turns up to
+    and including the first user turn (generation's view, :func:`_to_regenerate`). Two
+    conversations that share it share the first reply generation writes, and every later
+    prompt of a conversation holds it (``sharegpt_turns`` answers each user turn after the
+    ones before it): a validation conversation whose key a training one has is not held out.
+    Example: ``[user "hi", assistant "hello", user "and?"]`` and ``[user "hi"]`` -> the
+    same key."""
+    asked = [m for m in conversation if m["role"] in ("system", "user") and m["content"]]
+    end = next((i for i, m in enumerate(asked) if m["role"] == "user"), len(asked))
+    return json.dumps(asked[: end + 1], sort_keys=True)
 
 
 def render_conversation(tokenizer, conversation: list[dict]) -> list[int]:
