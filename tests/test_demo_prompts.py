@@ -22,16 +22,23 @@ def rows(path):
     return [json.loads(line)["messages"] for line in path.read_text().split("\n") if line]
 
 
-def test_validation_prompts_that_are_training_prompts_are_left_out(tmp_path):
+def both_stages(tmp_path, train, validation):
+    """The demo's training then validation prompt stages of ``train`` and ``validation``
+    (specs); ``(config, layout, said, the validation stage's outputs)``."""
     config = DemoConfig.from_recipe(
-        RECIPE, run_dir=str(tmp_path), train_prompts=("humaneval[0:3]+chat[0:3]",),
-        validation_prompts=("chat[1:5]",), max_prompt_tokens=None,
+        RECIPE, run_dir=str(tmp_path), train_prompts=(train,),
+        validation_prompts=(validation,), max_prompt_tokens=None,
     )
     layout, said = RunLayout(tmp_path), []
     stages = Stages(tmp_path, said.append)
     _prompts_stage(config, stages, layout.prompts, tmp_path)
     out = _prompts_stage(config, stages, layout.validation_prompts, tmp_path,
                          "validation prompts", config.validation_prompts, layout.prompts)
+    return config, layout, said, out
+
+
+def test_validation_prompts_that_are_training_prompts_are_left_out(tmp_path):
+    config, layout, said, out = both_stages(tmp_path, "humaneval[0:3]+chat[0:3]", "chat[1:5]")
     chat = load_prompt_set("chat[0:5]").conversations
     assert rows(layout.validation_prompts) == chat[3:5]  # chat[1:3] are training prompts
     assert out["count"] == 2 and out["left_out"] == 2
@@ -70,15 +77,7 @@ def test_a_validation_conversation_that_opens_as_a_training_one_is_left_out(
                            for i in range(rng.randint(1, 6))]}
         for _ in range(16)
     ])
-    config = DemoConfig.from_recipe(
-        RECIPE, run_dir=str(tmp_path), train_prompts=("sharegpt_turns[0:6]",),
-        validation_prompts=("sharegpt_turns[6:]+sharegpt",), max_prompt_tokens=None,
-    )
-    layout, said = RunLayout(tmp_path), []
-    stages = Stages(tmp_path, said.append)
-    _prompts_stage(config, stages, layout.prompts, tmp_path)
-    out = _prompts_stage(config, stages, layout.validation_prompts, tmp_path,
-                         "validation prompts", config.validation_prompts, layout.prompts)
+    _, layout, _, out = both_stages(tmp_path, "sharegpt_turns[0:6]", "sharegpt_turns[6:]+sharegpt")
     trained = set().union(*map(prompts_of, rows(layout.prompts)))
     candidates = load_prompt_set("sharegpt_turns[6:]+sharegpt").conversations
     held = [c for c in candidates if not prompts_of(c) & trained]
