@@ -75,3 +75,12 @@ def third_party_algorithm(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "dummy"
     sys.modules.pop("dummy_drafts", None)
+
+
+@pytest.fixture
+def fake_sharegpt(tmp_path, monkeypatch):
+    """``write(rows)`` makes ``rows`` the ShareGPT file both ShareGPT sets read
+    (``helpers.every_turn.sharegpt_file``)."""
+    from helpers.every_turn import sharegpt_file
+
+    yield from sharegpt_file(tmp_path, monkeypatch)

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers.every_turn import sentence, sharegpt_file, turn
+from helpers.every_turn import sentence, turn
 
 from speculators_peagle_plugin.data.prompts import load_prompt_set
 from speculators_peagle_plugin.demo.artifacts import RunLayout
@@ -51,11 +51,6 @@ def test_validation_prompts_that_are_training_prompts_are_left_out(tmp_path):
     with pytest.raises(ValueError, match="made with other settings \\(training_left_out\\)"):
         _prompts_stage(config, Stages(tmp_path, said.append), layout.validation_prompts,
                        tmp_path, "validation prompts", config.validation_prompts, layout.prompts)
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    yield from sharegpt_file(tmp_path, monkeypatch)
 
 
 def prompts_of(conversation):

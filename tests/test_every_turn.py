@@ -11,7 +11,7 @@ import random
 import re
 
 import pytest
-from helpers.every_turn import sharegpt_file, turn, user
+from helpers.every_turn import turn, user
 
 from speculators_peagle_plugin.data import prompt_sources
 from speculators_peagle_plugin.data.layout import mix_seed
@@ -64,11 +64,6 @@ HAND_ROWS = [
     {"conversations": [turn("user", "i1"), turn("gpt", "x")]},
 ]
 KEPT = [("a1", "b1", "a2", "b2", "a3", "b3"), ("only one",), ("c1", "", "c2")]
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    yield from sharegpt_file(tmp_path, monkeypatch)
 
 
 def _random_sharegpt_rows(rng, n):

@@ -9,15 +9,10 @@ import random
 import sys
 
 import pytest
-from helpers.every_turn import sentence, sharegpt_file, turn, user
+from helpers.every_turn import sentence, turn, user
 
 from eval import every_turn_prompts
 from eval.every_turn_prompts import REPLY_TEMPLATE_TOKENS, equal_reply_arms, fitting_turns
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    yield from sharegpt_file(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 from datasets import load_from_disk
 from helpers.chat_target import gen_args
-from helpers.every_turn import sentence, sharegpt_file, turn, user
+from helpers.every_turn import sentence, turn, user
 from transformers import AutoTokenizer
 
 from speculators_peagle_plugin.cli import main
@@ -25,12 +25,6 @@ from speculators_peagle_plugin.data.contamination import HeldOutIndex
 from speculators_peagle_plugin.data.layout import ROW_PROMPTS_FILE, DataError, mix_seed
 from speculators_peagle_plugin.data.packing import SPLIT_STREAM
 from speculators_peagle_plugin.data.prompts import load_prompt_set, read_training_prompts
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    yield from sharegpt_file(tmp_path, monkeypatch)
-
 
 # --- the contamination guard on every turn ----------------------------------------------------
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.every_turn import sharegpt_file, turn
+from helpers.every_turn import turn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speculators_peagle_plugin.data.prompts import load_prompt_set  # noqa: E402
@@ -82,11 +82,6 @@ def test_a_second_extension_continues_the_first(tmp_path, capsys):
         f"--after {missing} is not a file; give the prompts files of earlier extensions."
     )
     assert len(second.read_text().splitlines()) == 3  # the file written before is untouched
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    yield from sharegpt_file(tmp_path, monkeypatch)
 
 
 def test_an_extension_leaves_out_a_conversation_that_opens_as_a_validation_prompt(

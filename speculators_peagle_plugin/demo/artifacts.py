@@ -65,18 +65,17 @@ def prompt_length_cut(max_prompt_tokens: int | None, target: Path, max_new_token
     tokenizer = AutoTokenizer.from_pretrained(target)
 
     def fit(conversation: list[dict]) -> list[dict] | None:
-        asked, kept = [], 0
+        asked, kept, replies = [], 0, 0
         for i, message in enumerate(conversation):
             if message["role"] == "system":
                 asked.append(message)
             if message["role"] != "user":
                 continue
-            replies = sum(m["role"] == "user" for m in asked)
             asked.append(message)
             length = len(render_conversation(tokenizer, asked)) + replies * max_new_tokens
             if length > max_prompt_tokens:
                 break
-            kept = i + 1
+            kept, replies = i + 1, replies + 1
             asked.append({"role": "assistant", "content": ""})  # the reply generation writes
         return conversation[:kept] or None
 
