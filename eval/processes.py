@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eval.demo_run import REPO
 
-START_S = 600  # a vLLM-CPU engine starts in about a minute on a busy 2-core machine
+START_S = 600  # how long a `vllm serve` may take to answer: a CPU engine starting on a busy machine
 
 
 def free_port() -> int:
