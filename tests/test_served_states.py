@@ -15,10 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from datasets import load_from_disk
 from helpers.serve import vllm_server
 from helpers.training import config_for, refusal, run_cli, train_args
@@ -131,6 +133,38 @@ def test_the_docs_give_the_server_command():
 
 
 # ------------------------------------------------ rows without states, no server needed
+
+
+@pytest.mark.parametrize("order", [("bad", "good", "bad"), ("good", "bad", "bad")])
+def test_failures_in_a_row_are_counted_in_the_data_order_not_the_answer_order(tmp_path, order):
+    """Rows are fetched ahead, together; a good row between two bad ones resets the count
+    even when its answer comes first, and two bad rows in a row stop training even when the
+    good row before them answers last."""
+    config = served_states.GenerationConfig(
+        generation_validation_retries=0, max_consecutive_generation_failures=2
+    )
+    states = served_states.ServedHiddenStates(tmp_path, "target", (0,), 4, 8, config)
+    states.attach([{"input_ids": [k, k + 1]} for k in range(len(order))], [2] * len(order))
+    states.endpoints = [served_states.Endpoint("http://server/v1", None)]
+    late = {i for i, kind in enumerate(order) if kind == ("bad" if order[0] == "bad" else "good")}
+
+    def fetch_once(endpoint, token_ids):
+        i = int(token_ids[0])
+        time.sleep(0.3 if i in late else 0.0)  # the answers come in another order
+        if order[i] == "bad":
+            raise ValueError("they hold non-finite hidden states")
+        return {"token_ids": token_ids, "hidden_states": torch.zeros(len(token_ids), 2, 4)}
+
+    states._fetch_once = fetch_once
+    states.prefetch(range(len(order)))
+    taken = [states.get_cached(0), states.get_cached(1)]
+    if order[1] == "bad":
+        with pytest.raises(served_states.ServerFailed, match=r"2 row\(s\) in a row failed"):
+            states.get_cached(2)
+    else:
+        taken.append(states.get_cached(2))
+        assert [isinstance(t, dict) for t in taken] == [k == "good" for k in order]
+
 
 
 @pytest.fixture(scope="module")

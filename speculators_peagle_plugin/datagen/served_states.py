@@ -15,7 +15,10 @@ to several servers in turn here), names neither the row nor the server when a pa
 wrong (its messages print whole token lists), checks no ``[n_aux + 1, H]`` shape, and ends
 in speculators' trainer-side circuit breaker rather than in one sentence. Its pieces are
 used as they are: ``generate_hidden_states``, ``FP8Transfer`` and ``GenerationRecoveryGuard``
-(complete attempts per row, consecutive failures per process).
+(complete attempts per row, consecutive failures per process). Rows are fetched ahead, several
+at once, but the guard sees each row when training takes it: its first attempt is the one
+made ahead, its further attempts are made then. So "in a row" is the data's order, as in
+speculators' loader, not the order the servers happen to answer in.
 """
 
 from __future__ import annotations
@@ -235,7 +238,8 @@ class ServedHiddenStates:
         self.endpoints: list[Endpoint] = []
         self.rows, self.turn, self.lock = None, 0, threading.Lock()
         self.pool: ThreadPoolExecutor | None = None
-        self.pending: dict[int, Future] = {}  # row -> its fetch in flight (:meth:`prefetch`)
+        # row -> its first attempt in flight (:meth:`prefetch`) and the failures it records
+        self.pending: dict[int, tuple[Future, list[str]]] = {}
         self.dropped: frozenset[int] = frozenset()
         self.failed = False  # set once ServerFailed is raised
 
@@ -279,7 +283,9 @@ class ServedHiddenStates:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="served-states")
         for i in indices:
             if i not in self.pending and not hs_path(self.hs_dir, i).exists():
-                self.pending[i] = self.pool.submit(self._fetch, i)
+                failures: list[str] = []
+                future = self.pool.submit(self._fetch_row, i, self._token_ids(i), failures)
+                self.pending[i] = (future, failures)
 
     def get_cached(self, file_idx: int):
         path = hs_path(self.hs_dir, file_idx)
@@ -290,26 +296,35 @@ class ServedHiddenStates:
                 raise DataError(
                     f"Hidden-state file {path} is corrupt or truncated ({err})."
                 ) from err
-        pending = self.pending.pop(file_idx, None)
-        return self._fetch(file_idx) if pending is None else pending.result()
+        return self._fetch(file_idx, self.pending.pop(file_idx, None))
 
     def get_generated(self, hs_transfer_params):
         return self.transfer.get_generated(hs_transfer_params)
 
-    def _fetch(self, index: int):
-        """Row ``index``'s states after speculators' complete attempts; a
-        ``SampleUnavailable`` if they all failed, :class:`ServerFailed` if too many rows in a
-        row did."""
-        token_ids = torch.as_tensor(self.rows[index]["input_ids"]).long()
-        failures: list[str] = []
+    def _token_ids(self, index: int) -> torch.Tensor:
+        return torch.as_tensor(self.rows[index]["input_ids"]).long()
+
+    def _fetch(self, index: int, ahead: tuple[Future, list[str]] | None):
+        """Row ``index``'s states after speculators' complete attempts, the first of them
+        ``ahead`` when :meth:`prefetch` made it; a ``SampleUnavailable`` if they all failed,
+        :class:`ServerFailed` if too many rows in a row did."""
+        future, failures = ahead if ahead is not None else (None, [])
+        token_ids = self._token_ids(index)
+
+        def attempt():
+            nonlocal future
+            if future is None:
+                return self._fetch_row(index, token_ids, failures)
+            made, future = future, None
+            return made.result()  # raises the attempt's own error
+
         result = self.guard.run(
-            lambda: self._fetch_row(index, token_ids, failures),
-            description=f"Hidden states of row {index} from a vLLM server",
+            attempt, description=f"Hidden states of row {index} from a vLLM server"
         )
         if getattr(result, "fatal", False):
             self.failed = True  # the rows still waiting are not requested
-            for future in self.pending.values():
-                future.cancel()
+            for waiting, _ in self.pending.values():
+                waiting.cancel()
             raise ServerFailed(
                 f"{failures[-1]}, after {len(failures)} attempt(s), and "
                 f"{self.guard.consecutive_failures} row(s) in a row failed "
