@@ -161,3 +161,20 @@ def test_a_failed_region_compile_is_logged_once_and_the_step_runs_eagerly(
         "says no); it runs eagerly around the attention instead."]
     torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(second, want, rtol=1e-5, atol=1e-6)
+
+
+def test_no_hand_written_backward_is_traced_into_the_region(region_on_cpu):
+    """Inside the region the norms and the rotary are transformers' own ops, for the
+    compiler to fuse and differentiate; eagerly (the same float32 step) they are fused."""
+    draft, ids, t2d = tiny_draft(0, num_layers=2)
+    batch = _batch(0, 61)
+    draft.attention_impl = "chunked"
+    want_loss, want = _step(_module(draft, ids, t2d, 0, 2), batch)
+    draft.attention_impl = "flex"
+    got_loss, got = _step(_module(draft, ids, t2d, 0, 2), batch)
+    targets = [str(node.target) for gm in region_on_cpu.graphs for node in gm.graph.nodes]
+    assert region_on_cpu.frame_count >= 1 and targets
+    assert not [t for t in targets if "autograd_function" in t or "Function" in t]
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

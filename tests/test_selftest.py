@@ -2,6 +2,8 @@
 sentence, and the GPU machine's wheels cover everything it imports."""
 
 
+import math
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -21,13 +23,32 @@ def test_shipped_wheels_leave_out_what_the_gpu_machine_has():
     assert "pydantic" in ship and "pydantic-core" in ship  # speculators' config; not in the image
 
 
-def test_gpu_command_installs_offline_and_runs_the_cuda_selftest():
+def test_gpu_command_installs_offline_then_bisects_and_runs_the_cuda_selftest():
     command_line = prepare_gpu.gpu_command("runs/gpu-wheels")
-    install, run = command_line.split(" && ")
+    install, runs = command_line.split(" && ")
     assert "pip install" in install and "--no-deps --no-index runs/gpu-wheels/*.whl" in install
-    assert run.startswith("python3 -m speculators_peagle_plugin.selftest --device cuda ")
+    bisect, run = runs.removeprefix("{ ").removesuffix("; }").split("; ")
+    assert bisect == 'timeout 300 python3 -m tools.gpu_bisect --out "${OUT:-.}"'
+    assert run.startswith("timeout 270 python3 -m speculators_peagle_plugin.selftest "
+                          "--device cuda ")
     assert "--shape llama8b --seq-lens 8192,32768 --ours-seq-lens 65536,131072 " in run
     assert run.endswith("--profile --json \"${OUT:-.}/selftest-cuda.json\"")
+
+
+def test_the_bisect_runs_an_arm_and_records_each_length(monkeypatch):
+    """On the CPU (the tool's plumbing; its arms matter on CUDA): every step's loss, the
+    speed, and an arm's switches put back by the test."""
+    from speculators_peagle_plugin.kernels import attention
+    from tools import gpu_bisect
+
+    monkeypatch.setattr(draft_loss, "REGION_DEVICES", draft_loss.REGION_DEVICES)
+    monkeypatch.setattr(attention, "cod_block_mask", attention.cod_block_mask)
+    record = gpu_bisect.run_arm("no region, full width", "tiny", [128, 256], device="cpu")
+    assert draft_loss.REGION_DEVICES == () and record["full_width"] and not record["region"]
+    assert list(record["lengths"]) == [128, 256]
+    for length in record["lengths"].values():
+        assert len(length["losses"]) == gpu_bisect.STEPS and length["tokens_per_s"] > 0
+        assert all(math.isfinite(x) for x in length["losses"]) and "error" not in length
 
 
 def run_cli(args):

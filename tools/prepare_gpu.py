@@ -88,6 +88,10 @@ SELFTEST_MODULES = (
 RUN_ARGS = ("--device cuda --shape llama8b --seq-lens 8192,32768 --ours-seq-lens 65536,131072 "
             "--profile")
 RECORD = '"${OUT:-.}/selftest-cuda.json"'  # $OUT: what the device tool sends back
+# One call's shares of a lent machine's 10 minutes a command (its 15 minutes a session,
+# starts included, leave room for one call): the selftest's record is rewritten after
+# every section, so a cut-off run keeps what it measured.
+BISECT_S, SELFTEST_S = 300, 270
 
 _LIST_DISTRIBUTIONS = """
 import importlib, json, sys
@@ -145,10 +149,14 @@ def build_own_wheel(out: Path) -> None:
 
 
 def gpu_command(wheel_dir: str) -> str:
-    """The one command to run on the GPU machine from the repository root."""
+    """The one command to run on the GPU machine from the repository root: the bisect of
+    the step's CUDA parts (tools/gpu_bisect.py), then the selftest, each within its share
+    of one call (BISECT_S, SELFTEST_S); both records land in ``$OUT``."""
     install = f"python3 -m pip install -q --no-deps --no-index {shlex.quote(wheel_dir)}/*.whl"
-    run = f"python3 -m speculators_peagle_plugin.selftest {RUN_ARGS} --json {RECORD}"
-    return f"{install} && {run}"
+    bisect = f'timeout {BISECT_S} python3 -m tools.gpu_bisect --out "${{OUT:-.}}"'
+    run = (f"timeout {SELFTEST_S} python3 -m speculators_peagle_plugin.selftest {RUN_ARGS} "
+           f"--json {RECORD}")
+    return f"{install} && {{ {bisect}; {run}; }}"
 
 
 def main() -> None:

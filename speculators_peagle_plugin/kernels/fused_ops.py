@@ -8,6 +8,7 @@ gain is fewer full-tensor passes and less saved for backward.
 from __future__ import annotations
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -66,10 +67,14 @@ class _RotaryFunction(torch.autograd.Function):
 
 
 def apply_rotary(q, k, cos, sin):
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``.
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``: fused eagerly, transformers'
+    own ops inside a compiled region (its compiler fuses them; see ``_rms_norm`` of
+    :mod:`..model.peagle_draft` for why no hand-written backward is traced).
 
     Args:
         q: ``[1, nh, N, hd]``; k: ``[1, nkv, N, hd]``; cos, sin: ``[1, N, hd]``.
     """
+    if torch.compiler.is_compiling():
+        return apply_rotary_pos_emb(q, k, cos, sin)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return _RotaryFunction.apply(q, cos, sin), _RotaryFunction.apply(k, cos, sin)

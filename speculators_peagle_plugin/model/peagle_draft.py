@@ -40,11 +40,15 @@ __all__ = ["PEagleDraftModel"]
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; transformers' llama / qwen3 RMSNorm on float32 runs fused (same math).
+    """``norm(x)``; transformers' llama / qwen3 RMSNorm on float32 runs fused (same math),
+    eagerly. A compiled region traces transformers' own ops instead, which its compiler
+    fuses and differentiates itself: no hand-written backward inside it
+    (tests/test_draft_loss.py; docs/selftest.md says why).
 
     The fused function runs with autocast off: like transformers' norm, it stays float32.
     """
-    if type(norm) in (LlamaRMSNorm, Qwen3RMSNorm) and x.dtype == norm.weight.dtype == torch.float32:
+    if (type(norm) in (LlamaRMSNorm, Qwen3RMSNorm) and x.dtype == norm.weight.dtype == torch.float32
+            and not torch.compiler.is_compiling()):
         with torch.autocast(x.device.type, enabled=False):
             return _RMSNormFunction.apply(x, norm.weight, norm.variance_epsilon)
     return norm(x)
