@@ -48,7 +48,8 @@ def test_the_bisect_runs_an_arm_and_records_each_length(monkeypatch):
     assert list(record["lengths"]) == [128, 256]
     for length in record["lengths"].values():
         assert len(length["losses"]) == gpu_bisect.STEPS and length["tokens_per_s"] > 0
-        assert all(math.isfinite(x) for x in length["losses"]) and "error" not in length
+        assert len(length["grad_norms"]) == gpu_bisect.STEPS and "error" not in length
+        assert all(math.isfinite(x) and x > 0 for x in length["losses"] + length["grad_norms"])
 
 
 def run_cli(args):

@@ -15,10 +15,11 @@ The arms switch the two parts of the CUDA step that the CPU cannot run, each alo
 
 Each arm runs in a fresh process (a CUDA fault ends only that arm): ``selftest``'s step
 (bfloat16 autocast, one partition per 4,096 tokens, AdamW) from one random draft on one
-row, two steps at each length, shortest first, printing every step's loss and time as it
-lands, then the tokens/s of the last step and the allocator's peak since the arm began. A
-longer row runs only while every loss so far is finite. One JSON line per arm goes to
-``DIR/bisect.jsonl`` (``$OUT`` by default, which the device tool sends back).
+row, two steps at each length, shortest first. Every step's loss, gradient norm (a
+forward fault shows in the loss, a backward one in the norm first) and time print as
+they land, then the last step's tokens/s and the allocator's peak since the arm began. A
+longer row runs only while every loss and norm so far is finite. One JSON line per arm
+goes to ``DIR/bisect.jsonl`` (``$OUT`` by default, which the device tool sends back).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_arm(name: str, shape_name: str, seq_lens: list[int], device: str = "cuda
     step = _ours(shape, device, "bfloat16" if cuda else "none")
     out = {"arm": name, "region": region, "full_width": full, "lengths": {}}
     for seq_len in seq_lens:
-        record = {"losses": [], "step_s": []}
+        record = {"losses": [], "grad_norms": [], "step_s": []}
         out["lengths"][seq_len] = record
         try:
             batch = make_row(shape, seq_len, device, torch.bfloat16 if cuda else torch.float32)
@@ -75,15 +76,16 @@ def run_arm(name: str, shape_name: str, seq_lens: list[int], device: str = "cuda
                 _sync(device)
                 record["step_s"].append(round(time.perf_counter() - began, 3))
                 record["losses"].append(loss)
-                print(f"  {name}: {seq_len} tokens, step {i}: loss {loss:.4f}, "
-                      f"{record['step_s'][-1]} s", flush=True)
+                record["grad_norms"].append(step.grad_norm)
+                print(f"  {name}: {seq_len} tokens, step {i}: loss {loss:.4f}, gradient norm "
+                      f"{step.grad_norm:.4g}, {record['step_s'][-1]} s", flush=True)
             record["tokens_per_s"] = round(seq_len / record["step_s"][-1])
             record["peak_gib"] = round(_peak_gib(device), 2)
         except Exception as err:  # noqa: BLE001 - the arm's record says what broke
             record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             record["traceback"] = traceback.format_exc()[-2000:]
             break
-        if not all(math.isfinite(x) for x in record["losses"]):
+        if not all(math.isfinite(x) for x in record["losses"] + record["grad_norms"]):
             break
     failed = draft_loss.flex.compile_failures
     if failed:

@@ -90,7 +90,7 @@ def _ours(shape, device: torch.device, autocast: str, window: int = DEFAULT_SLID
         wrapped = wrap(StepModule(module, every_parameter=False), config, world)
         optimizer.zero_grad(set_to_none=True)
         stats = train_step(wrapped, module, batch, config, world, index)
-        gradient_norm(params, 1.0)
+        step.grad_norm = gradient_norm(params, 1.0)  # before clipping: a fault shows here first
         optimizer.step()
         return float(stats["loss_sum"] / stats["total_den"].clamp(min=1))
 
