@@ -16,8 +16,9 @@ The arms switch the two parts of the CUDA step that the CPU cannot run, each alo
 Each arm runs in a fresh process (a CUDA fault ends only that arm): ``selftest``'s step
 (bfloat16 autocast, one partition per 4,096 tokens, AdamW) from one random draft on one
 row, two steps at each length, shortest first. Every step's loss, gradient norm (a
-forward fault shows in the loss, a backward one in the norm first) and time print as
-they land, then the last step's tokens/s and the allocator's peak since the arm began. A
+forward fault shows in the loss, a backward one in the norm first) and time print when
+the arm ends (an arm cut by its timeout keeps the steps it reached), then the last step's
+tokens/s and the allocator's peak since the arm began. A
 longer row runs only while every loss and norm so far is finite. One JSON line per arm
 goes to ``DIR/bisect.jsonl`` (``$OUT`` by default, which the device tool sends back).
 """
@@ -112,13 +113,17 @@ def main() -> None:
                  "--seq-lens", args.seq_lens, "--device", args.device]
         try:
             done = subprocess.run(child, capture_output=True, text=True, timeout=ARM_TIMEOUT_S)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("ARM ")]
-            print("\n".join(line for line in done.stdout.splitlines()
-                            if line.startswith("  ")), flush=True)
+            stdout = done.stdout
+            lines = [line for line in stdout.splitlines() if line.startswith("ARM ")]
             record = (json.loads(lines[-1][4:]) if lines else
                       {"arm": name, "exit": done.returncode, "stderr": done.stderr[-2000:]})
-        except subprocess.TimeoutExpired:
-            record = {"arm": name, "error": f"timed out after {ARM_TIMEOUT_S} s"}
+        except subprocess.TimeoutExpired as err:  # the steps it reached still count
+            stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+            record = {"arm": name, "error": f"timed out after {ARM_TIMEOUT_S} s",
+                      "steps": [line.strip() for line in stdout.splitlines()
+                                if line.startswith("  ")]}
+        print("\n".join(line for line in stdout.splitlines() if line.startswith("  ")),
+              flush=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
         summary = {n: {k: r.get(k) for k in ("tokens_per_s", "peak_gib", "error")} | {
