@@ -267,6 +267,22 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
     assert data.num_samples == len(full)
 
 
+def test_a_run_killed_while_writing_its_settings_resumes(generated, target_dir, prompts_path,
+                                                         tmp_path):
+    """What a SIGKILL in the first write leaves (the dead run's lock, its settings' temporary)
+    is no foreign directory: the same command makes the uninterrupted run's data."""
+    from helpers.results import data_rows
+
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / ".lock").write_text("999999\n")
+    (out / f".generation_settings.json{TMP_MARK}999999").write_text('{"tar')
+    result = CliRunner().invoke(main, gen_args(target_dir, prompts_path, out))
+    assert result.exit_code == 0, result.output
+    assert data_rows(out) == data_rows(generated)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
 def test_resume_refuses_other_settings_or_a_foreign_directory(
     generated, target_dir, prompts_path, tmp_path
 ):

@@ -18,6 +18,7 @@ from helpers.chat_target import LAYER_IDS, MAX_NEW
 from helpers.stops import stopped_at_call
 
 from speculators_peagle_plugin.cli import main
+from speculators_peagle_plugin.common.files import TMP_MARK
 from speculators_peagle_plugin.datagen import capture as capture_mod
 from speculators_peagle_plugin.datagen import generation as gen_mod
 from speculators_peagle_plugin.datagen import join as join_mod
@@ -283,6 +284,17 @@ def test_a_stopped_join_resumes_and_another_joins_output_is_refused(made, tmp_pa
     assert result.exit_code != 0
     assert f"--output {out} holds other data than the join of these parts" in " ".join(
         result.output.split())
+
+
+def test_a_join_killed_while_writing_its_settings_resumes(made, tmp_path):
+    out = tmp_path / "joined"
+    out.mkdir()
+    (out / ".lock").write_text("999999\n")
+    (out / f".generation_settings.json{TMP_MARK}999999").write_text('{"tar')
+    result = run("join-data", made / "part0", made / "part1", "--output", out,
+                 "--draft-vocab-size", 40)
+    assert result.exit_code == 0, result.output
+    assert_same_files(out, made / "one")
 
 
 def in_process(config, parts, dirs, environments):

@@ -25,6 +25,11 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
 
 
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is named as :func:`temporary_name` names (any process's)."""
+    return path.name.startswith(".") and TMP_MARK in path.name
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

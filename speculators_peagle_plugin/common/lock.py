@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
+from .files import is_temporary
 
 LOCK_FILE = ".lock"
 
@@ -87,6 +88,12 @@ def exclusive_directory(directory: Path, command: str, *, hold: bool = True) -> 
         os.close(fd)
         if created:
             _remove_if_empty(directory)
+
+
+def holds_nothing_written(directory: Path) -> bool:
+    """Whether ``directory`` holds nothing but its lock and killed writers' temporaries (a run
+    killed while writing its first file leaves that)."""
+    return all(p.name == LOCK_FILE or is_temporary(p) for p in Path(directory).iterdir())
 
 
 def _remove_if_empty(directory: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..common.errors import UserError
 from ..common.files import atomic_write, atomic_write_json, remove_stale_temporaries
-from ..common.lock import LOCK_FILE, exclusive_directory
+from ..common.lock import exclusive_directory, holds_nothing_written
 from ..common.paths import writing
 from ..common.reading import read_json
 from ..common.settings import Settings, setting
@@ -169,7 +169,7 @@ def join_parts(paths: list[Path], output: Path, record: dict | None) -> dict:
                 f"--output {output} holds other data than the join of these parts; choose a "
                 "new or empty directory."
             )
-    elif any(p.name != LOCK_FILE for p in output.iterdir()):
+    elif not holds_nothing_written(output):
         raise UserError(
             f"--output {output} is not an empty directory and holds no joined data; choose a "
             "new or empty directory."

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..common.errors import UserError
 from ..common.files import atomic_write, atomic_write_json, temporary_name
-from ..common.lock import LOCK_FILE, exclusive_directory
+from ..common.lock import exclusive_directory, holds_nothing_written
 from ..common.paths import writing
 from ..common.reading import read_json
 from ..common.settings import keys_with
@@ -89,7 +89,7 @@ def _check_output(output: Path, settings: dict) -> bool:
                     "directory or the original settings to resume."
                 )
         return True
-    if any(p.name != LOCK_FILE for p in output.iterdir()):
+    if not holds_nothing_written(output):
         raise UserError(
             f"--output {output} is not an empty directory and was not made by generate-data "
             f"(no {SETTINGS_FILE}); choose a new or empty directory."
