@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,34 @@ def test_a_live_holder_is_named_and_a_killed_ones_lock_is_taken_over(tmp_path, c
         assert (directory / LOCK_FILE).read_text().strip() == str(os.getpid())
     assert f"took over the lock of PID {holder.pid}" in caplog.text
     assert not (directory / LOCK_FILE).exists()
+
+
+# a writer that forks a worker pool under its lock, as a ``datasets`` map does
+LOCK_THEN_FORK = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    from speculators_peagle_plugin.common.lock import exclusive_directory
+    with exclusive_directory(sys.argv[1], "generate-data"):
+        pool = multiprocessing.get_context("fork").Pool(1)
+        print(pool.apply(os.getpid), flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_killed_writers_forked_workers_do_not_keep_its_lock(tmp_path):
+    directory = tmp_path / "data"
+    writer = subprocess.Popen([sys.executable, "-c", LOCK_THEN_FORK, str(directory)],
+                              stdout=subprocess.PIPE, text=True)
+    worker = int(writer.stdout.readline())
+    try:
+        writer.kill()  # SIGKILL to the writer alone: its worker lives on
+        writer.wait()
+        os.kill(worker, 0)
+        with exclusive_directory(directory, "generate-data"):
+            assert (directory / LOCK_FILE).read_text().strip() == str(os.getpid())
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 def test_a_second_training_on_a_save_path_in_use_is_refused_at_once(workdir, tmp_path):

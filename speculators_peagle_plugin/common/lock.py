@@ -1,7 +1,9 @@
 """One writer per output directory: an exclusive ``flock`` on ``DIR/.lock`` for a run's duration.
 
 The kernel drops a ``flock`` when its process dies, however it dies, so a lock left by a killed
-run is free to take; the PID written in the file only names the holder in the refusal.
+run is free to take; the PID written in the file only names the holder in the refusal. A forked
+child (a ``datasets`` map's worker pool) would share the lock and keep it past its parent's
+death, so children close their copy at the fork.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ from .files import is_temporary
 LOCK_FILE = ".lock"
 
 logger = logging.getLogger(__name__)
+
+_HELD: set[int] = set()  # this process's lock descriptors
+
+
+def _close_inherited() -> None:
+    """In a forked child: drop the parent's locks (closing a copy keeps the parent's flock)."""
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 class DirectoryLocked(UserError):
@@ -74,6 +88,7 @@ def exclusive_directory(directory: Path, command: str, *, hold: bool = True) -> 
         if created:
             _remove_if_empty(directory)
         raise
+    _HELD.add(fd)
     try:
         previous = _holder(fd)
         if previous and previous != str(os.getpid()):
@@ -84,10 +99,12 @@ def exclusive_directory(directory: Path, command: str, *, hold: bool = True) -> 
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield directory
     finally:
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-        if created:
-            _remove_if_empty(directory)
+        if fd in _HELD:  # not in a forked child: it has closed its copy and leaves the lock be
+            _HELD.discard(fd)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            if created:
+                _remove_if_empty(directory)
 
 
 def holds_nothing_written(directory: Path) -> bool:

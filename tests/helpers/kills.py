@@ -120,6 +120,28 @@ def _child(request: dict) -> None:
     os._exit(code)
 
 
+def _alive_in_group(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that have not exited (a zombie has closed its files)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid pgrp ...", comm may hold spaces
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or gone
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def _wait_until_dead(pgid: int, limit_s: float = 30.0) -> None:
+    """Until every process of the killed group has exited: a worker the run forked dies a
+    moment after the run, and until then holds what it inherited (the run's lock)."""
+    ends = time.monotonic() + limit_s
+    while _alive_in_group(pgid) and time.monotonic() < ends:
+        time.sleep(0.005)
+
+
 def _serve() -> None:
     """Read one JSON request a line, fork and run it, write its outcome as a line."""
     import importlib
@@ -152,6 +174,7 @@ def _serve() -> None:
                 except ProcessLookupError:  # it has just ended
                     pass
                 status = os.waitpid(pid, 0)[1]
+                _wait_until_dead(pid)
             else:
                 time.sleep(0.005)
         rc = os.waitstatus_to_exitcode(status)
