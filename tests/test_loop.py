@@ -126,9 +126,9 @@ def test_killed_and_resumed_equals_uninterrupted(workdir, uninterrupted, tmp_pat
 
 
 @pytest.mark.slow
+# every pair of values of the three settings, in four runs
 @pytest.mark.parametrize(("partitions", "wrapper", "optimizer"), [
-    (1, "ddp", "adamw"), (3, "ddp", "adamw"), (3, "fsdp", "adamw"), (1, "ddp", "muon"),
-    (3, "fsdp", "muon"),
+    (1, "ddp", "adamw"), (1, "fsdp", "muon"), (3, "ddp", "muon"), (3, "fsdp", "adamw"),
 ])
 def test_two_ranks_equal_one_process_on_the_global_batch(
     workdir, tmp_path, partitions, wrapper, optimizer
