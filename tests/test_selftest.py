@@ -3,6 +3,7 @@ sentence, and the GPU machine's wheels cover everything it imports."""
 
 
 import math
+import sys
 
 import pytest
 import torch
@@ -50,6 +51,21 @@ def test_the_bisect_runs_an_arm_and_records_each_length(monkeypatch):
         assert len(length["losses"]) == gpu_bisect.STEPS and length["tokens_per_s"] > 0
         assert len(length["grad_norms"]) == gpu_bisect.STEPS and "error" not in length
         assert all(math.isfinite(x) and x > 0 for x in length["losses"] + length["grad_norms"])
+
+
+def test_an_arm_cut_by_its_timeout_keeps_the_steps_it_printed():
+    from tools import gpu_bisect
+
+    child = [sys.executable, "-c", "import time; print('  arm: 8192 tokens, step 0: loss 1.0', "
+             "flush=True); print('noise', flush=True); time.sleep(60)"]
+    record, stdout = gpu_bisect.arm_record("as shipped", child, 5)
+    assert record == {"arm": "as shipped", "error": "timed out after 5 s",
+                      "steps": ["arm: 8192 tokens, step 0: loss 1.0"]}
+    assert "noise" in stdout
+    done = [sys.executable, "-c", "print('ARM ' + '{\"arm\": \"x\"}')"]
+    assert gpu_bisect.arm_record("x", done, 30)[0] == {"arm": "x"}
+    record, _ = gpu_bisect.arm_record("x", [sys.executable, "-c", "raise SystemExit(3)"], 30)
+    assert record["exit"] == 3 and record["arm"] == "x"
 
 
 def run_cli(args):

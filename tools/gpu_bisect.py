@@ -94,6 +94,22 @@ def run_arm(name: str, shape_name: str, seq_lens: list[int], device: str = "cuda
     return out
 
 
+def arm_record(name: str, child: list[str], timeout_s: float) -> tuple[dict, str]:
+    """Run one arm's process: its record (an error with the step lines it printed when it
+    ran past ``timeout_s``; its exit code and stderr when it printed none) and its stdout."""
+    try:
+        done = subprocess.run(child, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:  # the steps it reached still count
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        return {"arm": name, "error": f"timed out after {timeout_s} s",
+                "steps": [line.strip() for line in stdout.splitlines()
+                          if line.startswith("  ")]}, stdout
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ARM ")]
+    record = (json.loads(lines[-1][4:]) if lines else
+              {"arm": name, "exit": done.returncode, "stderr": done.stderr[-2000:]})
+    return record, done.stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama8b")
@@ -111,17 +127,7 @@ def main() -> None:
         print(f"arm {name!r}", flush=True)
         child = [sys.executable, "-m", "tools.gpu_bisect", "--arm", name, "--shape", args.shape,
                  "--seq-lens", args.seq_lens, "--device", args.device]
-        try:
-            done = subprocess.run(child, capture_output=True, text=True, timeout=ARM_TIMEOUT_S)
-            stdout = done.stdout
-            lines = [line for line in stdout.splitlines() if line.startswith("ARM ")]
-            record = (json.loads(lines[-1][4:]) if lines else
-                      {"arm": name, "exit": done.returncode, "stderr": done.stderr[-2000:]})
-        except subprocess.TimeoutExpired as err:  # the steps it reached still count
-            stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
-            record = {"arm": name, "error": f"timed out after {ARM_TIMEOUT_S} s",
-                      "steps": [line.strip() for line in stdout.splitlines()
-                                if line.startswith("  ")]}
+        record, stdout = arm_record(name, child, ARM_TIMEOUT_S)
         print("\n".join(line for line in stdout.splitlines() if line.startswith("  ")),
               flush=True)
         with open(path, "a") as f:
