@@ -8,6 +8,16 @@ import pytest
 # No hub: any accidental download fails at once instead of retrying.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# Each pytest worker, and each process it starts, gets its share of the cores. torch's
+# OpenMP threads default to one per core: two workers computing at once then wait at every
+# parallel region for each other's descheduled threads, and the same work runs many times
+# slower (measured by eval/bench_test_threads.py). vLLM's engines bind their own threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # tests/tiny.py, tests/tiny_vllm.py and tests/helpers/ are shared by the test files.
 sys.path.insert(0, str(Path(__file__).parent))
 
