@@ -35,8 +35,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test $(STACK) = cuda || $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-# Two pytest workers: most slow tests wait on engine starts and subprocesses rather than on
-# both cores. pytest exits 5 when it collects no test; that is not a failure of the suite.
+# Two pytest workers, each (and what it starts) on its share of the cores' threads
+# (tests/conftest.py). pytest exits 5 when it collects no test; that is not a failure.
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
