@@ -50,7 +50,7 @@ HOLD_LOCK = textwrap.dedent(
     import fcntl, os, sys, time
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, str(os.getpid()).encode())
+    os.write(fd, (sys.argv[2] if len(sys.argv) > 2 else str(os.getpid())).encode())
     print("locked", flush=True)
     time.sleep(120)
     """
@@ -78,6 +78,32 @@ def test_a_live_holder_is_named_and_a_killed_ones_lock_is_taken_over(tmp_path, c
         assert (directory / LOCK_FILE).read_text().strip() == str(os.getpid())
     assert f"took over the lock of PID {holder.pid}" in caplog.text
     assert not (directory / LOCK_FILE).exists()
+
+
+def test_a_lock_kept_past_its_writers_exit_says_the_writer_has_exited(tmp_path):
+    """What another program's child holding the lock looks like: the writer the file names
+    has exited, the lock is still held."""
+    directory = tmp_path / "data"
+    directory.mkdir()
+    writer = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                            capture_output=True, text=True, check=True)
+    dead = writer.stdout.strip()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(directory / LOCK_FILE), dead],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(DirectoryLocked) as refused:
+            with exclusive_directory(directory, "generate-data"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(refused.value) == (
+        f"{directory} is locked by a process that outlived the generate-data that took it "
+        f"(PID {dead}, exited): stop what that run started, or use another directory."
+    )
 
 
 # a writer that forks a worker pool under its lock, as a ``datasets`` map does

@@ -3,7 +3,8 @@
 The kernel drops a ``flock`` when its process dies, however it dies, so a lock left by a killed
 run is free to take; the PID written in the file only names the holder in the refusal. A forked
 child (a ``datasets`` map's worker pool) would share the lock and keep it past its parent's
-death, so children close their copy at the fork.
+death, so children close their copy at the fork; the refusal says when the named writer has
+exited and something it started (another program's child) still holds the lock.
 """
 
 from __future__ import annotations
@@ -45,6 +46,31 @@ def _holder(fd: int) -> str:
     return os.read(fd, 64).decode(errors="replace").strip()
 
 
+def _runs(pid: str) -> bool:
+    """Whether the process ``pid`` (as written in a lock file) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _refusal(directory: Path, command: str, holder: str) -> str:
+    """The sentence for a lock held by someone else: the writer named in the file, or, when
+    that writer has exited, the processes it left holding the lock."""
+    if holder and not _runs(holder):
+        return (
+            f"{directory} is locked by a process that outlived the {command} that took it "
+            f"(PID {holder}, exited): stop what that run started, or use another directory."
+        )
+    return (
+        f"{directory} is in use by another {command} (PID {holder or 'unknown'}); "
+        f"wait for it to finish or stop it, or use another directory."
+    )
+
+
 def _open_locked(lock: Path, command: str) -> int:
     """A descriptor holding the flock on ``lock``, which is still the file at that path."""
     while True:
@@ -56,10 +82,7 @@ def _open_locked(lock: Path, command: str) -> int:
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise DirectoryLocked(
-                f"{lock.parent} is in use by another {command} (PID {holder or 'unknown'}); "
-                f"wait for it to finish or stop it, or use another directory."
-            ) from None
+            raise DirectoryLocked(_refusal(lock.parent, command, holder)) from None
         # A holder that was releasing may have unlinked the file we opened: lock the new one.
         if os.path.exists(lock) and os.path.samestat(os.fstat(fd), os.stat(lock)):
             return fd
