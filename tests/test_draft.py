@@ -123,6 +123,41 @@ def test_compile_failure_logs_once_and_falls_back_to_block_sparse(monkeypatch, c
     assert calls == [1, 1]
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_flex_call_gets_contiguous_inputs(monkeypatch, seed):
+    """The draft's q, k, v are transposed views; flex attention receives them contiguous, as
+    speculators' own P-EAGLE passes them, on each path: the region's ``BlockMask``, the
+    compiled kernel, its eager fallback. The results are the exact block-sparse path's."""
+    seen = []
+
+    def recording(real):
+        def call(q, k, v, *args, **kwargs):
+            seen.append([t.is_contiguous() for t in (q, k, v)])
+            return real(q, k, v, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(flex, "compile_failures", {})
+    anchor, depth, doc = random_cod_elements(seed)
+    n = anchor.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, h, 16, generator=gen).transpose(1, 2) for h in (4, 2, 2))
+    assert not q.is_contiguous()
+    flex_mask = attention.PEagleMask(anchor, depth, doc, None, "flex")
+    want = attention.peagle_attention(q, k, v, attention.PEagleMask(anchor, depth, doc, None,
+                                                                     "chunked"), 0.25)
+    real = flex.flex_attention
+    monkeypatch.setattr(attention, "flex_attention", recording(real))
+    monkeypatch.setattr(flex, "flex_attention", recording(real))
+    outs = [attention.peagle_attention(q, k, v, flex_mask.block_mask, 0.25),  # the region's
+            attention.peagle_attention(q, k, v, flex_mask, 0.25)]  # eager fallback (CPU)
+    monkeypatch.setattr(flex, "_peagle_compile_supported", lambda q, k, v: True)
+    monkeypatch.setattr(flex, "_peagle_flex_attention_compiled", recording(real))
+    outs.append(attention.peagle_attention(q, k, v, flex_mask, 0.25))  # the compiled kernel
+    assert seen == [[True] * 3] * 3
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
 def test_out_of_memory_in_the_compiled_kernel_is_not_a_compile_failure(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")

@@ -39,13 +39,17 @@ def test_gpu_command_installs_offline_then_bisects_and_runs_the_cuda_selftest():
 def test_the_bisect_runs_an_arm_and_records_each_length(monkeypatch):
     """On the CPU (the tool's plumbing; its arms matter on CUDA): every step's loss, the
     speed, and an arm's switches put back by the test."""
-    from speculators_peagle_plugin.kernels import attention
+    from speculators_peagle_plugin.kernels import attention, flex
     from tools import gpu_bisect
 
     monkeypatch.setattr(draft_loss, "REGION_DEVICES", draft_loss.REGION_DEVICES)
     monkeypatch.setattr(attention, "cod_block_mask", attention.cod_block_mask)
-    record = gpu_bisect.run_arm("no region, full width", "tiny", [128, 256], device="cpu")
+    monkeypatch.setattr(flex, "flex_inputs", flex.flex_inputs)
+    monkeypatch.setitem(gpu_bisect.ARMS, "every switch", (False, True, False))
+    record = gpu_bisect.run_arm("every switch", "tiny", [128, 256], device="cpu")
     assert draft_loss.REGION_DEVICES == () and record["full_width"] and not record["region"]
+    q = torch.zeros(1, 4, 2).transpose(1, 2)
+    assert not record["contiguous"] and flex.flex_inputs(q, q, q)[0] is q
     assert list(record["lengths"]) == [128, 256]
     for length in record["lengths"].values():
         assert len(length["losses"]) == gpu_bisect.STEPS and length["tokens_per_s"] > 0

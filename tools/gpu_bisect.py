@@ -5,13 +5,16 @@ Usage (on the GPU machine, from the repository root, after the wheels of
 
     python3 -m tools.gpu_bisect [--shape llama8b] [--seq-lens 8192,32768] [--out DIR]
 
-The arms switch the two parts of the CUDA step that the CPU cannot run, each alone:
+The arms switch the parts of the CUDA step that the CPU cannot run, each alone:
 
 - ``region``: the draft's forward and loss as one compiled region
   (``training/draft_loss.py``), or off: eager layers around compiled flex attention;
 - ``full``: the ``BlockMask`` index lists as wide as ``create_block_mask``'s (one column
   per key block), or as wide as the longest list (``kernels/cod_block_mask.py``'s CUDA
-  default).
+  default);
+- ``contiguous``: flex attention takes contiguous ``q, k, v`` (``kernels/flex.py``'s
+  ``flex_inputs``, as speculators passes its own), or the draft's transposed views, as the
+  H200's failing runs did.
 
 Each arm runs in a fresh process (a CUDA fault ends only that arm): ``selftest``'s step
 (bfloat16 autocast, one partition per 4,096 tokens, AdamW) from one random draft on one
@@ -35,11 +38,11 @@ import sys
 import time
 import traceback
 
-ARMS = {  # name: (region, full width)
-    "as shipped": (True, False),
-    "no region": (False, False),
-    "full width": (True, True),
-    "no region, full width": (False, True),
+ARMS = {  # name: (region, full width, contiguous q/k/v)
+    "as shipped": (True, False, True),
+    "strided q/k/v": (True, False, False),
+    "no region": (False, False, True),
+    "full width": (True, True, True),
 }
 STEPS = 2
 ARM_TIMEOUT_S = 120
@@ -49,22 +52,25 @@ def run_arm(name: str, shape_name: str, seq_lens: list[int], device: str = "cuda
     """One arm, here: the step at each length; stops at the first non-finite loss or error."""
     import torch
 
-    from speculators_peagle_plugin.kernels import attention, cod_block_mask
+    from speculators_peagle_plugin.kernels import attention, cod_block_mask, flex
     from speculators_peagle_plugin.selftest.perf import _ours, _peak_gib, _sync, make_row
     from speculators_peagle_plugin.selftest.shapes import SHAPES
     from speculators_peagle_plugin.training import draft_loss
 
-    region, full = ARMS[name]
+    region, full, contiguous = ARMS[name]
     if not region:
         draft_loss.REGION_DEVICES = ()
     if full:
         attention.cod_block_mask = functools.partial(cod_block_mask.cod_block_mask,
                                                      full_width=True)
+    if not contiguous:
+        flex.flex_inputs = lambda q, k, v: (q, k, v)
     device = torch.device(device)
     cuda = device.type == "cuda"
     shape = SHAPES[shape_name]
     step = _ours(shape, device, "bfloat16" if cuda else "none")
-    out = {"arm": name, "region": region, "full_width": full, "lengths": {}}
+    out = {"arm": name, "region": region, "full_width": full, "contiguous": contiguous,
+           "lengths": {}}
     for seq_len in seq_lens:
         record = {"losses": [], "grad_norms": [], "step_s": []}
         out["lengths"][seq_len] = record

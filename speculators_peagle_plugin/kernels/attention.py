@@ -95,7 +95,8 @@ def peagle_attention(q, k, v, mask: PEagleMask | BlockMask, scale: float) -> tor
     """Attention of ``q [1, nh, N, hd]`` over ``k, v [1, nkv, N, hd]`` under ``mask``.
 
     A ``BlockMask`` (:attr:`PEagleMask.block_mask`, built before a compiled region) runs
-    plain ``flex_attention``, for the compiler of the region around it to lower.
+    plain ``flex_attention``, for the compiler of the region around it to lower. Every flex
+    call takes contiguous ``q, k, v`` (:func:`.flex.flex_inputs`).
 
     Under ``torch.autocast`` the kernels run with autocast off (it would lower every
     ``einsum``, softmax statistics included), and the forward computes in the autocast
@@ -115,6 +116,7 @@ def peagle_attention(q, k, v, mask: PEagleMask | BlockMask, scale: float) -> tor
                 return _chunked_attention(q, k, v, mask, scale, forward_dtype=dtype)
             return peagle_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
     if isinstance(mask, BlockMask):
+        q, k, v = flex.flex_inputs(q, k, v)
         return flex_attention(q, k, v, block_mask=mask, scale=scale,
                               enable_gqa=q.shape[1] != k.shape[1])
     if mask.impl == "flex":

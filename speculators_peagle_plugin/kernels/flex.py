@@ -27,6 +27,15 @@ compile_failures: dict[tuple, str] = {}
 _peagle_flex_attention_compile_failed = False  # True once any compile has failed
 
 
+def flex_inputs(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v`` as every flex call here takes them: contiguous, as speculators' flex
+    attention passes its own. The draft's come as transposed views (``[1, N, heads, hd]``
+    read as ``[1, heads, N, hd]``), and Inductor's compiled flex backward has written wrong
+    key gradients for strided inputs (pytorch/pytorch#146377); inside a compiled region the
+    copy fuses into the op that makes each tensor."""
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
 def _peagle_compile_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether Inductor's flex-attention lowering supports these tensors (CUDA, head dim >= 16)."""
     return all(t.is_cuda for t in (q, k, v)) and min(q.shape[-1], v.shape[-1]) >= 16
@@ -40,6 +49,7 @@ def _peagle_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor:
 
     Eager where the compiled kernel is unsupported or failed (:func:`compiled_flex_attention`).
     """
+    q, k, v = flex_inputs(q, k, v)
     out = compiled_flex_attention(q, k, v, block_mask, scale)
     if out is None:
         gqa = q.shape[1] != k.shape[1]
@@ -56,6 +66,7 @@ def compiled_flex_attention(q, k, v, block_mask, scale) -> torch.Tensor | None:
     key = signature(q, k, v)
     if not _peagle_compile_supported(q, k, v) or key in compile_failures:
         return None
+    q, k, v = flex_inputs(q, k, v)
     out = _compiled_or_none(
         key, "the block-sparse attention runs", _peagle_flex_attention_compiled,
         q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
