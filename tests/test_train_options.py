@@ -3,6 +3,7 @@ depths trained than served, hard labels, held-out metrics, a draft started from 
 verifier, and a verifier the data does not fit."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -79,6 +80,23 @@ def test_autocast_on_cpu_caps_onednn_primitive_cache_unless_set(workdir, tmp_pat
     monkeypatch.setenv(key, "7")
     build_training(config_for(workdir, tmp_path / "c", autocast="bfloat16"))
     assert os.environ[key] == "7"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_autocast_on_a_cpu_without_native_bfloat16_warns_once(
+    workdir, tmp_path, monkeypatch, caplog, native
+):
+    """Emulated bfloat16 trains many times slower than float32: the run says so at its start
+    and names the flag; float32 runs, and CPUs that multiply bfloat16, hear nothing."""
+    from speculators_peagle_plugin.training import loop
+
+    monkeypatch.setattr(loop, "cpu_has_bfloat16", lambda: native)
+    with caplog.at_level(logging.WARNING, logger=loop.__name__):
+        build_training(config_for(workdir, tmp_path / "a"))
+        build_training(config_for(workdir, tmp_path / "b", autocast="bfloat16"))
+    warned = [r.getMessage() for r in caplog.records if "native bfloat16" in r.getMessage()]
+    assert warned == ([] if native else [loop.EMULATED_AUTOCAST])
+    assert "--autocast none" in loop.EMULATED_AUTOCAST
 
 
 def test_num_key_value_heads_shapes_the_draft_and_speculators_loads_it(workdir, tmp_path):
