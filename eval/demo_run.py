@@ -64,6 +64,8 @@ def demo_inputs(demo_dir: Path) -> dict:
         "config": config["train_config"],
         "steps_demo": config["max_steps"],
         "max_new_tokens": config["max_new_tokens"],
+        # prompts generated together: the speed of a data stage, not its replies
+        "gen_batch_size": config["gen_batch_size"],
         "eval_max_new_tokens": config["eval_max_new_tokens"],
         # acceptance only: the demo's largest concurrency decodes its whole held-out sets
         "eval_concurrency": max(config["eval_concurrency"]),

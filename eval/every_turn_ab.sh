@@ -22,7 +22,8 @@ ROW_TOKENS=${ROW_TOKENS:-1024}
 SEEDS=${SEEDS:-42,0,1}
 PY=${PY:-.venv/bin/python}
 
-# The demo's target and reply settings (its data's generation_settings.json).
+# The demo's target and reply settings (its data's generation_settings.json), and how many
+# prompts it generated together (the batch sets the speed, not the replies).
 SETTINGS=$("$PY" - "$DEMO" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -30,10 +31,10 @@ from eval.demo_run import demo_inputs
 demo = demo_inputs(Path(sys.argv[1]))
 settings = json.loads((Path(demo["data"]) / "generation_settings.json").read_text())
 print(demo["target"], settings["max_new_tokens"], settings["temperature"], demo["dtype"],
-      demo["kv_cache_gb"])
+      demo["kv_cache_gb"], demo["gen_batch_size"])
 EOF
 )
-read -r TARGET MAX_NEW TEMPERATURE DTYPE KV_GB <<< "$SETTINGS"
+read -r TARGET MAX_NEW TEMPERATURE DTYPE KV_GB BATCH <<< "$SETTINGS"
 
 "$PY" -m eval.every_turn_prompts --target "$TARGET" --replies "$REPLIES" \
     --max-new-tokens "$MAX_NEW" --row-tokens "$ROW_TOKENS" --out "$OUT"
@@ -42,7 +43,7 @@ for arm in first every; do
     .venv/bin/speculators-peagle generate-data --target "$TARGET" \
         --prompts "$OUT/$arm.jsonl" --output "$OUT/$arm-data" \
         --max-new-tokens "$MAX_NEW" --temperature "$TEMPERATURE" --num-samples 1 \
-        --backend vllm --kv-cache-gb "$KV_GB" --dtype "$DTYPE"
+        --backend vllm --kv-cache-gb "$KV_GB" --dtype "$DTYPE" --batch-size "$BATCH"
 done
 
 # Equal steps: both arms train the demo's step count (ablate's default without --steps).

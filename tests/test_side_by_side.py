@@ -154,13 +154,14 @@ def test_the_demo_is_read_from_its_own_directory_wherever_this_runs(tmp_path, mo
                        "outputs": {"path": "runs/demo/data"}}}
     (demo / "stages.json").write_text(json.dumps(stages))
     config = {"train_config": "configs/demo.yaml", "max_steps": None, "max_new_tokens": 16,
-              "eval_max_new_tokens": 8, "eval_concurrency": [1, 2], "kv_cache_gb": 1,
-              "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}
+              "gen_batch_size": 32, "eval_max_new_tokens": 8, "eval_concurrency": [1, 2],
+              "kv_cache_gb": 1, "num_speculative_tokens": 4, "eval_prompts": ["humaneval[0:2]"]}
     (demo / "demo.json").write_text(json.dumps({"config": config}))
     (tmp_path / "elsewhere" / "runs" / "demo" / "data").mkdir(parents=True)  # a decoy
     monkeypatch.chdir(tmp_path / "elsewhere")
     inputs = demo_run.demo_inputs(Path("../repo/runs/demo"))
     assert inputs["data"] == str((demo / "data").resolve())
     assert inputs["target"] == "/models/target" and inputs["k"] == 4
+    assert inputs["gen_batch_size"] == 32
     assert inputs["dtype"] == "bfloat16"  # the drafts are served in the data's dtype
     assert inputs["trained"] is None and inputs["native_bf16"]  # it never trained
