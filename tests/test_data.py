@@ -257,7 +257,8 @@ def test_resume_after_interrupted_generation_skips_finished_batches(
     assert not (out / "state.json").exists() and not (out / "hidden_states").exists()
 
     calls.clear()
-    monkeypatch.setattr(gen_mod, "_regenerate", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(gen_mod, "_regenerate",
+                        lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     data = generate_data(config)
     n_prompts = sum(1 for _, turns in PROMPT_ROWS if turns)
     assert sum(calls) == n_prompts - 2  # the first batch of 2 was not regenerated

@@ -9,6 +9,8 @@ import importlib.util
 import json
 import random
 import re
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 from helpers.every_turn import turn, user
@@ -235,3 +237,65 @@ def test_sharegpt_turns_feed_the_regeneration_one_row_per_user_turn(fake_sharegp
         user("a2"),
     ]
     assert done[0][1]["input_ids"][: len(_render(history))] == _render(history)
+
+
+class StoppingTarget(FakeTarget):
+    """A FakeTarget that stops its run (KeyboardInterrupt, as Ctrl-C would) at the start of
+    its ``stop_at``-th ``generate`` call; with what ``generate_responses`` reads of a Target."""
+
+    def __init__(self, order_seed, stop_at=None, batch_size=2):
+        super().__init__(order_seed)
+        self.calls, self.stop_at = 0, stop_at
+        replies = SimpleNamespace(num_samples=1, backend="vllm", batch_size=batch_size)
+        self.config = SimpleNamespace(replies=replies, seed=order_seed)
+
+    def generator(self, log):
+        return nullcontext()
+
+    def generate(self, prompts, seeds, on_reply, on_event=None, record=None):
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        self.calls += 1
+        super().generate(prompts, seeds, on_reply, on_event, record)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_regeneration_stopped_between_turns_resumes_from_its_last_turn(seed):
+    rng = random.Random(seed)
+    chats = [[m for m in _random_conversation(rng) if m["role"] != "assistant"]
+             for _ in range(5)] + [[user(f"u{t}") for t in range(4)]]
+    indices = list(range(10, 16))
+    saved = []
+    with pytest.raises(KeyboardInterrupt):
+        _regenerate(StoppingTarget(seed, stop_at=2), chats, indices, seed, lambda k, r: None,
+                    on_turn=lambda so_far: saved.append(json.loads(json.dumps(so_far))))
+    assert len(saved) == 2  # one per finished turn
+    started = {int(k): v for k, v in saved[-1].items()}
+    assert all(len(v["rows"]) == min(2, sum(m["role"] == "user" for m in chats[k]))
+               for k, v in started.items())
+    done = {}
+    target = StoppingTarget(seed)
+    _regenerate(target, chats, indices, seed, lambda k, r: done.setdefault(k, r),
+                started=started)
+    assert done == {k: _replayed(c, indices[k], seed) for k, c in enumerate(chats)}
+    assert target.calls == max(sum(m["role"] == "user" for m in c) for c in chats) - 2
+
+
+def test_generate_data_stopped_mid_conversation_keeps_its_turns(tmp_path):
+    """The job's turns survive a stop before any shard is complete: the rerun generates
+    only the turns left, writes what an uninterrupted run writes, and leaves no turns file."""
+    from speculators_peagle_plugin.datagen.generation import generate_responses
+
+    rng = random.Random(0)
+    chats = [[user(f"q{i}")] * (1 + (i == 0) * 3) + [user(f"p{rng.random()}")]
+             for i in range(5)]  # conversation 0 holds every shard back with 5 turns
+    for name in ("whole", "resumed"):
+        (tmp_path / name).mkdir()
+    whole = generate_responses(StoppingTarget(0), chats, tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        generate_responses(StoppingTarget(0, stop_at=3), chats, tmp_path / "resumed")
+    responses = tmp_path / "resumed" / "responses"
+    assert not list(responses.glob("*.json")) and len(list(responses.glob("*.turns"))) == 1
+    again = StoppingTarget(0)
+    assert generate_responses(again, chats, tmp_path / "resumed") == whole
+    assert again.calls == 2 and not list(responses.glob("*.turns"))

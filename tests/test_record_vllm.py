@@ -74,6 +74,9 @@ def recorded(tmp_path_factory, target):
         "--num-samples", "3", "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
         "--draft-vocab-size", "64", "--kv-cache-gb", "1",
     ]
+    # a worker that comes back to this module builds the fixture again: note this run only
+    FIRST_COMPUTED.clear()
+    RECORDINGS_LEFT.clear()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build_data, "write_hidden_states", no_transformers_capture)
         patch.setattr(build_data, "write_hidden_states_vllm", nothing_left)

@@ -314,10 +314,10 @@ def test_replicas_stopped_midway_resume_each_on_its_own_into_one_runs_files(
     )
     real = gen_mod._regenerate
 
-    def second_replica_killed(*args):
+    def second_replica_killed(*args, **kwargs):
         if args[2][0] >= 4:  # a conversation of replica 1/2
             raise KeyboardInterrupt
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(replicas_mod, "_run_replicas", in_process)
     monkeypatch.setattr(gen_mod, "_regenerate", second_replica_killed)
@@ -327,7 +327,7 @@ def test_replicas_stopped_midway_resume_each_on_its_own_into_one_runs_files(
     assert not (out / "state.json").exists()
 
     calls = []
-    monkeypatch.setattr(gen_mod, "_regenerate", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(gen_mod, "_regenerate", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     generate_data(config)
     assert calls == [[4, 5], [6]]  # replica 0/2 was complete: nothing of it generated again
     assert not (out / "replicas").exists()

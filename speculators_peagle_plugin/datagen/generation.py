@@ -4,7 +4,10 @@ Each shard (``DIR/responses/<first>-<last>.json``) maps a prompt index to its ro
 ``{"input_ids", "loss_mask"}``; a run that is stopped regenerates only the shards it lacks,
 and draws the same replies (each reply samples with its own seed). vLLM gets the prompts of
 several shards as one job (``VLLM_SHARDS_PER_JOB``), so its engine stays full across shard
-boundaries; a shard is written as soon as its last reply is in.
+boundaries; a shard is written as soon as its last reply is in. Conversations of several
+user turns are regenerated turn by turn across a job, so a shard waits for its longest
+conversation: after each turn the job's replies so far go to ``<first>-<last>.turns``, and
+a stopped run takes its conversations up again from their last finished turn.
 """
 
 from __future__ import annotations
@@ -193,6 +196,8 @@ def _regenerate(
     on_complete: Callable[[int, list[dict]], None],
     on_event=None,
     record=None,
+    started: dict[int, dict] | None = None,
+    on_turn: Callable[[dict[int, dict]], None] | None = None,
 ) -> int:
     """Regenerate every assistant turn of a batch of conversations, turn by turn.
 
@@ -203,18 +208,32 @@ def _regenerate(
     ``on_complete(k, rows)`` gets conversation k's rows as soon as its last reply is in.
     Turn t of conversation k samples with seed ``mix_seed(seed, indices[k], t)``: its reply
     does not depend on the batch, so a resumed run draws what an uninterrupted one would.
-    Returns the number of generated tokens. ``on_event`` and ``record`` as in
-    :meth:`Target.generate`.
+    ``started[k]`` (``{"rows", "replies"}``: the rows and reply texts of conversation k's
+    first turns) resumes k after them; ``on_turn`` gets the same, for every conversation with
+    a reply, after each turn. Returns the number of generated tokens. ``on_event`` and
+    ``record`` as in :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
     rows: list[list[dict]] = [[] for _ in conversations]
+    replies: list[list[str]] = [[] for _ in conversations]
     history: list[list[dict]] = [[] for _ in conversations]
     pending = [list(turns) for turns in conversations]
-    generated, turn = 0, 0
+    generated = 0
 
     def has_user_turn(k: int) -> bool:
         return any(t["role"] == "user" for t in pending[k])
+
+    def next_user_turn(k: int) -> None:
+        """Move conversation k's turns up to its next user turn from pending to history."""
+        users = [i for i, t in enumerate(pending[k]) if t["role"] == "user"]
+        history[k].extend(pending[k][: users[0] + 1])
+        del pending[k][: users[0] + 1]
+
+    def add_reply(k: int, row: dict, text: str) -> None:
+        rows[k].append(row)
+        replies[k].append(text)
+        history[k].append({"role": "assistant", "content": text})
 
     def on_reply(active: list[int], prompts: list[list[int]], j: int, reply: list[int]) -> None:
         nonlocal generated
@@ -222,30 +241,44 @@ def _regenerate(
         input_ids, loss_mask = build_boundary_sample(prompts[j], reply)
         if record:
             loss_mask[-1] = 0
-        rows[k].append({"input_ids": input_ids, "loss_mask": loss_mask})
-        history[k].append({"role": "assistant", "content": target.decode_reply(reply)})
+        add_reply(k, {"input_ids": input_ids, "loss_mask": loss_mask}, target.decode_reply(reply))
         generated += len(reply)
         if not has_user_turn(k):
             on_complete(k, rows[k])
 
+    for k, done in (started or {}).items():
+        for row, text in zip(done["rows"], done["replies"], strict=True):
+            next_user_turn(k)
+            add_reply(k, row, text)
     for k in range(len(conversations)):
         if not has_user_turn(k):
             on_complete(k, rows[k])
     while True:
-        active, prompts = [], []
-        for k, turns in enumerate(pending):
-            users = [i for i, t in enumerate(turns) if t["role"] == "user"]
-            if not users:
-                continue
-            history[k].extend(turns[: users[0] + 1])
-            del turns[: users[0] + 1]
-            active.append(k)
-            prompts.append(target.prompt_ids(history[k]))
+        active = [k for k in range(len(conversations)) if has_user_turn(k)]
         if not active:
             return generated
-        seeds = [mix_seed(seed, indices[k], turn) for k in active]
+        for k in active:
+            next_user_turn(k)
+        prompts = [target.prompt_ids(history[k]) for k in active]
+        seeds = [mix_seed(seed, indices[k], len(rows[k])) for k in active]
         target.generate(prompts, seeds, partial(on_reply, active, prompts), on_event, record)
-        turn += 1
+        if on_turn is not None:
+            on_turn({k: {"rows": rows[k], "replies": replies[k]}
+                     for k in range(len(conversations)) if rows[k]})
+
+
+def _started_turns(responses: Path) -> dict[int, dict]:
+    """The first turns of conversations a stopped run was regenerating (``*.turns`` files):
+    ``{prompt index: {"rows", "replies"}}``, the most turns where files overlap."""
+    started: dict[int, dict] = {}
+    for path in sorted(responses.glob("*.turns")):
+        try:
+            for key, done in json.loads(path.read_text()).items():
+                if len(done["rows"]) > len(started.get(int(key), {"rows": ()})["rows"]):
+                    started[int(key)] = done
+        except (ValueError, AttributeError, KeyError, TypeError):  # damaged: start it again
+            path.unlink()
+    return started
 
 
 def _done_shards(responses: Path) -> dict[int, list[dict]]:
@@ -303,6 +336,7 @@ def generate_responses(
     responses = output / RESPONSES_DIR
     responses.mkdir(exist_ok=True)
     done = _done_shards(responses)
+    started = _started_turns(responses)
     start, stop = (0, len(prompts)) if span is None else span
     todo = [i for i in range(start, stop) if i not in done]
     vllm = cfg.replies.backend == "vllm"
@@ -324,10 +358,22 @@ def generate_responses(
             job = todo[j : j + job_size]
             shards = _ShardFiles(responses, job, shard_size, done, bar)
             conversations = [prompts[i] for i in job]
+            turns_file = responses / f"{job[0]:09d}-{job[-1]:09d}.turns"
+
+            def save_turns(so_far: dict[int, dict], job=job, turns_file=turns_file) -> None:
+                atomic_write_json(turns_file, {str(job[k]): v for k, v in so_far.items()},
+                                  indent=None)
+
             tokens += _regenerate(
-                target, conversations, job, cfg.seed, shards.complete, live, record
+                target, conversations, job, cfg.seed, shards.complete, live, record,
+                started={k: started[i] for k, i in enumerate(job) if i in started},
+                on_turn=save_turns,
             )
+            turns_file.unlink(missing_ok=True)  # the job's shards are written
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - began):.1f}")
+    for path in responses.glob("*.turns"):  # a stopped run's jobs, cut otherwise
+        if all(int(i) in done for i in json.loads(path.read_text())):
+            path.unlink()
     if todo:
         elapsed = time.perf_counter() - began
         logger.info(

@@ -17,11 +17,11 @@ def stopped_at_call(monkeypatch, owner, name: str, n: int,
     call, and puts the real function back afterwards."""
     real, calls = getattr(owner, name), []
 
-    def stopping(*args):
+    def stopping(*args, **kwargs):
         calls.append(note(*args))
         if len(calls) == n:
             raise KeyboardInterrupt
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, stopping)
     with pytest.raises(KeyboardInterrupt):
