@@ -334,7 +334,8 @@ def test_a_disk_that_fills_during_generate_data_keeps_the_finished_rows_and_resu
     kept = [p for p in data.rglob("*") if p.parent.name in ("responses", "hidden_states")]
     assert kept and not [p for p in data.rglob("*") if TMP_MARK in p.name]
     for path in kept:  # each whole
-        json.loads(path.read_text()) if path.suffix == ".json" else load_safetensors(path)
+        json.loads(path.read_text()) if path.suffix in (".json", ".turns") else load_safetensors(
+            path)
     monkeypatch.undo()
     code, out = cli(args_of(data))
     assert code == 0, out

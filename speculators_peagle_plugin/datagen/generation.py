@@ -210,8 +210,8 @@ def _regenerate(
     does not depend on the batch, so a resumed run draws what an uninterrupted one would.
     ``started[k]`` (``{"rows", "replies"}``: the rows and reply texts of conversation k's
     first turns) resumes k after them; ``on_turn`` gets the same, for every conversation with
-    a reply, after each turn. Returns the number of generated tokens. ``on_event`` and
-    ``record`` as in :meth:`Target.generate`.
+    a reply, after each turn that another follows. Returns the number of generated tokens.
+    ``on_event`` and ``record`` as in :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
@@ -262,7 +262,8 @@ def _regenerate(
         prompts = [target.prompt_ids(history[k]) for k in active]
         seeds = [mix_seed(seed, indices[k], len(rows[k])) for k in active]
         target.generate(prompts, seeds, partial(on_reply, active, prompts), on_event, record)
-        if on_turn is not None:
+        more = any(has_user_turn(k) for k in active)  # else every conversation is complete
+        if on_turn is not None and more:
             on_turn({k: {"rows": rows[k], "replies": replies[k]}
                      for k in range(len(conversations)) if rows[k]})
 
