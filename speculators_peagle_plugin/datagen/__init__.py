@@ -1,7 +1,8 @@
 """Making training data: the target's replies, their hidden states, ``generate-data``.
 
 Modules: ``datagen_config`` (``DataGenConfig``), ``generation`` (the target's replies,
-transformers or vLLM), ``capture`` (hidden states with transformers), ``capture_vllm`` (with
+transformers or vLLM), ``turn_state`` (the finished turns of multi-turn conversations, kept
+across a stop), ``capture`` (hidden states with transformers), ``capture_vllm`` (with
 vLLM: placing the replies' engine's recordings, or a prefill pass), ``vllm_recorder`` (the
 worker extension that records while vLLM generates) and ``vllm_connector`` (the KV connector
 of the prefill pass), both loaded by vLLM in its worker, ``build_data`` (``generate_data``),

@@ -31,6 +31,7 @@ from ..engine.engine_start import check_parallel_size
 from ..engine.vllm_client import VllmJob, VllmWorker
 from ..model.target import eos_token_ids, load_target_model
 from .datagen_config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
+from .turn_state import Conversations, TurnFiles
 from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)
@@ -215,25 +216,8 @@ def _regenerate(
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
-    rows: list[list[dict]] = [[] for _ in conversations]
-    replies: list[list[str]] = [[] for _ in conversations]
-    history: list[list[dict]] = [[] for _ in conversations]
-    pending = [list(turns) for turns in conversations]
+    state = Conversations(conversations)
     generated = 0
-
-    def has_user_turn(k: int) -> bool:
-        return any(t["role"] == "user" for t in pending[k])
-
-    def next_user_turn(k: int) -> None:
-        """Move conversation k's turns up to its next user turn from pending to history."""
-        users = [i for i, t in enumerate(pending[k]) if t["role"] == "user"]
-        history[k].extend(pending[k][: users[0] + 1])
-        del pending[k][: users[0] + 1]
-
-    def add_reply(k: int, row: dict, text: str) -> None:
-        rows[k].append(row)
-        replies[k].append(text)
-        history[k].append({"role": "assistant", "content": text})
 
     def on_reply(active: list[int], prompts: list[list[int]], j: int, reply: list[int]) -> None:
         nonlocal generated
@@ -241,45 +225,28 @@ def _regenerate(
         input_ids, loss_mask = build_boundary_sample(prompts[j], reply)
         if record:
             loss_mask[-1] = 0
-        add_reply(k, {"input_ids": input_ids, "loss_mask": loss_mask}, target.decode_reply(reply))
+        row = {"input_ids": input_ids, "loss_mask": loss_mask}
+        state.add_reply(k, row, target.decode_reply(reply))
         generated += len(reply)
-        if not has_user_turn(k):
-            on_complete(k, rows[k])
+        if not state.has_user_turn(k):
+            on_complete(k, state.rows[k])
 
-    for k, done in (started or {}).items():
-        for row, text in zip(done["rows"], done["replies"], strict=True):
-            next_user_turn(k)
-            add_reply(k, row, text)
+    state.resume(started or {})
     for k in range(len(conversations)):
-        if not has_user_turn(k):
-            on_complete(k, rows[k])
+        if not state.has_user_turn(k):
+            on_complete(k, state.rows[k])
     while True:
-        active = [k for k in range(len(conversations)) if has_user_turn(k)]
+        active = [k for k in range(len(conversations)) if state.has_user_turn(k)]
         if not active:
             return generated
         for k in active:
-            next_user_turn(k)
-        prompts = [target.prompt_ids(history[k]) for k in active]
-        seeds = [mix_seed(seed, indices[k], len(rows[k])) for k in active]
+            state.next_user_turn(k)
+        prompts = [target.prompt_ids(state.history[k]) for k in active]
+        seeds = [mix_seed(seed, indices[k], len(state.rows[k])) for k in active]
         target.generate(prompts, seeds, partial(on_reply, active, prompts), on_event, record)
-        more = any(has_user_turn(k) for k in active)  # else every conversation is complete
+        more = any(state.has_user_turn(k) for k in active)  # else every conversation is done
         if on_turn is not None and more:
-            on_turn({k: {"rows": rows[k], "replies": replies[k]}
-                     for k in range(len(conversations)) if rows[k]})
-
-
-def _started_turns(responses: Path) -> dict[int, dict]:
-    """The first turns of conversations a stopped run was regenerating (``*.turns`` files):
-    ``{prompt index: {"rows", "replies"}}``, the most turns where files overlap."""
-    started: dict[int, dict] = {}
-    for path in sorted(responses.glob("*.turns")):
-        try:
-            for key, done in json.loads(path.read_text()).items():
-                if len(done["rows"]) > len(started.get(int(key), {"rows": ()})["rows"]):
-                    started[int(key)] = done
-        except (ValueError, AttributeError, KeyError, TypeError):  # damaged: start it again
-            path.unlink()
-    return started
+            on_turn(state.so_far())
 
 
 def _done_shards(responses: Path) -> dict[int, list[dict]]:
@@ -337,7 +304,7 @@ def generate_responses(
     responses = output / RESPONSES_DIR
     responses.mkdir(exist_ok=True)
     done = _done_shards(responses)
-    started = _started_turns(responses)
+    turns = TurnFiles(responses)
     start, stop = (0, len(prompts)) if span is None else span
     todo = [i for i in range(start, stop) if i not in done]
     vllm = cfg.replies.backend == "vllm"
@@ -359,22 +326,13 @@ def generate_responses(
             job = todo[j : j + job_size]
             shards = _ShardFiles(responses, job, shard_size, done, bar)
             conversations = [prompts[i] for i in job]
-            turns_file = responses / f"{job[0]:09d}-{job[-1]:09d}.turns"
-
-            def save_turns(so_far: dict[int, dict], job=job, turns_file=turns_file) -> None:
-                atomic_write_json(turns_file, {str(job[k]): v for k, v in so_far.items()},
-                                  indent=None)
-
             tokens += _regenerate(
                 target, conversations, job, cfg.seed, shards.complete, live, record,
-                started={k: started[i] for k, i in enumerate(job) if i in started},
-                on_turn=save_turns,
+                started=turns.started_of(job), on_turn=turns.saver(job),
             )
-            turns_file.unlink(missing_ok=True)  # the job's shards are written
+            turns.path(job).unlink(missing_ok=True)  # the job's shards are written
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - began):.1f}")
-    for path in responses.glob("*.turns"):  # a stopped run's jobs, cut otherwise
-        if all(int(i) in done for i in json.loads(path.read_text())):
-            path.unlink()
+    turns.drop_finished(done)  # a stopped run's jobs, cut otherwise
     if todo:
         elapsed = time.perf_counter() - began
         logger.info(

@@ -98,9 +98,8 @@ def _bound_onednn_cache() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
-# A step of the demo's recipe under emulated bfloat16 takes about ten times the float32 one on
-# an AVX2 CPU: compare `train --config configs/demo_smollm2.yaml --max-steps 25` with
-# `--autocast none` and without.
+# A step under emulated bfloat16 takes many times the float32 one (eval/RESULTS.md,
+# "Precision": `train --config configs/demo_smollm2.yaml --max-steps 25 [--autocast none]`).
 EMULATED_AUTOCAST = (
     "This CPU has no native bfloat16 (AVX-512 BF16 or AMX): autocast bfloat16 emulates its "
     "matmuls and trains many times slower than float32 here; pass --autocast none."
