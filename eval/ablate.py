@@ -4,7 +4,7 @@ Usage (after ``make demo``, whose target, training data and YAML every arm share
 
     .venv/bin/python -m eval.ablate --variant baseline --variant hard50 hard_label_weight=0.5
         [--seeds 0,1,2] [--steps N] [--demo-dir runs/demo] [--out runs/ablate]
-        [--eval-prompts SPEC ...] [--heldout SPEC ...] [--no-serve]
+        [--eval-prompts SPEC ...] [--heldout SPEC ...] [--no-serve] [--lanes N]
 
 A variant is a name and ``field=value`` overrides of ``speculators-peagle train``'s settings
 (values in YAML: ``num_depths=6``, ``max_anchors=null``); the first variant is the baseline
@@ -23,6 +23,10 @@ Per variant and seed (a cell):
   sets: acceptance length, mean and per position (``--no-serve`` screens on the held-out
   figures alone; a later run without it serves the screened drafts).
 
+``--lanes N`` runs N cells at once, each lane a process on its share of the cores (its
+training's threads, its eval engine's binding: ``common.devices.cpu_shares``), its output in
+``OUT/lanes/lane-<k>.log``: on a small CPU, one training on every core leaves them idle for
+part of each step (``python -m eval.bench_lanes`` measures both).
 A cell's figures go to ``OUT/<variant>/seed-<s>/cell.json`` when it ends; a rerun skips the
 finished cells and resumes an interrupted training. ``OUT/ablation.json`` holds every cell
 and, per variant and figure, the mean and the sample standard deviation over the seeds. The
@@ -40,12 +44,19 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
 from eval.demo_run import REPO, demo_inputs, run_command, served_acceptance
-from speculators_peagle_plugin.common.devices import cpu_has_bfloat16, cpu_train_settings
+from speculators_peagle_plugin.common.devices import (
+    cpu_has_bfloat16,
+    cpu_shares,
+    cpu_train_settings,
+    start_on_cores,
+    usable_cores,
+)
 from speculators_peagle_plugin.common.files import atomic_write_text
 from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 from speculators_peagle_plugin.evaluation.report import provenance
@@ -98,6 +109,20 @@ def _heldout_data(demo: dict, spec: str, out: Path) -> Path:
     return path
 
 
+def train_command(
+    demo: dict, config_yaml: Path, data: str, save: Path, seed: int, steps: int | None
+) -> list[str]:
+    """``speculators-peagle train`` of ``config_yaml`` on ``data`` into ``save``, with the
+    demo's target and CPU precision, ``seed`` and ``steps`` (the YAML's where None)."""
+    values = {"verifier_name_or_path": demo["target"], "data_path": data,
+              "save_path": str(save), "seed": seed}
+    if steps is not None:
+        values["max_steps"] = steps
+    values.update(cpu_train_settings(demo["native_bf16"]))
+    return [sys.executable, "-m", "speculators_peagle_plugin", "train",
+            *config_argv(TrainConfig, values, config_file=config_yaml)]
+
+
 def _train(
     demo: dict, config_yaml: Path, data: str, save: Path, seed: int, steps: int | None
 ) -> dict:
@@ -108,13 +133,7 @@ def _train(
     from speculators_peagle_plugin.training.checkpoint import checkpoint_dirs
     from speculators_peagle_plugin.training.progress import METRICS_FILE
 
-    values = {"verifier_name_or_path": demo["target"], "data_path": data,
-              "save_path": str(save), "seed": seed}
-    if steps is not None:
-        values["max_steps"] = steps
-    values.update(cpu_train_settings(demo["native_bf16"]))
-    cmd = [sys.executable, "-m", "speculators_peagle_plugin", "train",
-           *config_argv(TrainConfig, values, config_file=config_yaml)]
+    cmd = train_command(demo, config_yaml, data, save, seed, steps)
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO)
@@ -139,13 +158,17 @@ def demo_trained_it(demo: dict, overrides: dict, seed: int, steps: int | None) -
     return not overrides and same_run
 
 
+def _cell_dir(out: str, name: str, seed: int) -> Path:
+    return Path(out) / name / f"seed-{seed}"
+
+
 def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: dict) -> dict:
     """One variant at one seed: train, held-out figures, served figures (``cell.json``)."""
     from speculators_peagle_plugin.training.heldout import heldout_metrics
     from speculators_peagle_plugin.training.train_config import TrainConfig
 
     name, overrides = variant
-    cell_dir = Path(args.out) / name / f"seed-{seed}"
+    cell_dir = _cell_dir(args.out, name, seed)
     done = cell_dir / "cell.json"
     if done.is_file():
         cell = json.loads(done.read_text())
@@ -266,7 +289,54 @@ def _parse_args() -> argparse.Namespace:
         help="Screen: train and score held out only, no vLLM. A later run without this flag "
         "serves the screened cells' drafts without training them again.",
     )
+    parser.add_argument(
+        "--lanes", type=int, default=1,
+        help="Cells run at once, each on its share of the cores [default: 1].",
+    )
+    parser.add_argument("--lane", help=argparse.SUPPRESS)  # K/N: this process runs cells K::N
     return parser.parse_args()
+
+
+def _finished(args, jobs: list) -> int:
+    """How many of ``jobs`` (seed, variant) have a ``cell.json`` that needs nothing more."""
+    count = 0
+    for seed, (name, _) in jobs:
+        done = _cell_dir(args.out, name, seed) / "cell.json"
+        if done.is_file() and (json.loads(done.read_text())["served"] or not args.serve):
+            count += 1
+    return count
+
+
+def run_lanes(args, jobs: list) -> None:
+    """Run ``jobs`` (seed, variant) in ``args.lanes`` processes at once: lane ``k`` is this
+    command with ``--lane k/N`` (the cells ``k::N``) on its :func:`cpu_shares` share, its
+    output in ``OUT/lanes/lane-<k>.log``; a bar counts the finished cells. Exits naming each
+    lane that failed; a rerun resumes every cell."""
+    from tqdm import tqdm
+
+    logs = Path(args.out) / "lanes"
+    logs.mkdir(parents=True, exist_ok=True)
+    running = []
+    try:
+        for k, (variables, mine) in enumerate(cpu_shares(args.lanes)):
+            log = logs / f"lane-{k}.log"
+            cmd = [sys.executable, "-m", "eval.ablate", *sys.argv[1:], "--lane",
+                   f"{k}/{args.lanes}"]
+            running.append((log, start_on_cores(cmd, {**os.environ, **variables}, mine, log)))
+            print(f"lane {k}: cores {mine}, log {log}", file=sys.stderr, flush=True)
+        with tqdm(total=len(jobs), initial=_finished(args, jobs), unit="cell") as bar:
+            while any(process.poll() is None for _, process in running):
+                time.sleep(5)
+                bar.update(_finished(args, jobs) - bar.n)
+    finally:
+        for _, process in running:
+            if process.poll() is None:
+                process.terminate()
+                process.wait()
+    failed = [f"lane {k} (exit {process.returncode}, log {log})"
+              for k, (log, process) in enumerate(running) if process.returncode != 0]
+    if failed:
+        raise SystemExit(f"{', '.join(failed)} failed; rerun the same command to resume.")
 
 
 def main() -> None:
@@ -281,16 +351,28 @@ def main() -> None:
         raise SystemExit(
             f"--seeds {args.seeds!r} is not a comma-separated list of integers."
         ) from None
+    cores = len(usable_cores())
+    if args.lane is None and not 1 <= args.lanes <= cores:  # a lane has its share of them
+        raise SystemExit(f"--lanes {args.lanes}: a lane needs a core of its own and this "
+                         f"machine has {cores}; use 1 to {cores}.")
     demo = demo_inputs(Path(args.demo_dir))
     args.out = str(Path(args.out).resolve())
     args.eval_prompts = args.eval_prompts or demo["eval_prompts"]
     heldout = {spec: _heldout_data(demo, spec, Path(args.out))
                for spec in args.heldout or demo["eval_prompts"]}
-    cells = []
     # seed-major: an interrupted run has every variant at its first seeds
-    for i, (seed, variant) in enumerate((s, v) for s in seeds for v in variants):
-        print(f"[cell {i + 1}/{len(variants) * len(seeds)}] {variant[0]} seed {seed}",
-              file=sys.stderr, flush=True)
+    jobs = [(seed, variant) for seed in seeds for variant in variants]
+    if args.lane is not None:  # one of run_lanes' processes: its cells; the parent sums up
+        k, _, n = args.lane.partition("/")
+        for seed, variant in jobs[int(k)::int(n)]:
+            run_cell(demo, args, variant, seed, heldout)
+        return
+    if args.lanes != 1:
+        run_lanes(args, jobs)
+    cells = []
+    for i, (seed, variant) in enumerate(jobs):
+        print(f"[cell {i + 1}/{len(jobs)}] {variant[0]} seed {seed}", file=sys.stderr,
+              flush=True)
         cells.append(run_cell(demo, args, variant, seed, heldout))
     summary = summarise(cells, names)
     record = {

@@ -9,6 +9,7 @@
 #
 #   eval/every_turn_ab.sh                       # the defaults below
 #   REPLIES=1100 SEEDS=42 eval/every_turn_ab.sh # a one-seed screen at the demo's row count
+#   LANES=2 eval/every_turn_ab.sh               # two cells at once, a share of the cores each
 #
 # Both arms: the demo's target, reply settings and training YAML, with total_seq_len set to
 # ROW_TOKENS (a later turn's row holds the conversation before it; eval/every_turn_prompts.py
@@ -20,6 +21,7 @@ OUT=${OUT:-runs/every-turn}
 REPLIES=${REPLIES:-2000}
 ROW_TOKENS=${ROW_TOKENS:-1024}
 SEEDS=${SEEDS:-42,0,1}
+LANES=${LANES:-1}
 PY=${PY:-.venv/bin/python}
 
 # The demo's target and reply settings (its data's generation_settings.json), and how many
@@ -47,7 +49,7 @@ for arm in first every; do
 done
 
 # Equal steps: both arms train the demo's step count (ablate's default without --steps).
-"$PY" -m eval.ablate --demo-dir "$DEMO" --out "$OUT/ablate" --seeds "$SEEDS" \
+"$PY" -m eval.ablate --demo-dir "$DEMO" --out "$OUT/ablate" --seeds "$SEEDS" --lanes "$LANES" \
     --variant first "data_path=$OUT/first-data" "total_seq_len=$ROW_TOKENS" \
     --variant every "data_path=$OUT/every-data" "total_seq_len=$ROW_TOKENS" \
     --eval-prompts "humaneval[120:164]" --eval-prompts mt_bench

@@ -142,3 +142,134 @@ def test_a_screened_cell_is_served_later_without_training_again(tmp_path, monkey
     assert served["heldout"] == screened["heldout"] and served["served"]["mt_bench"]
     on_disk = json.loads((tmp_path / "out" / "lr2" / "seed-0" / "cell.json").read_text())
     assert on_disk == served
+
+
+def _lane_demo(tmp_path, monkeypatch, cores):
+    """ablate.main's inputs faked: ``cores`` to run on, a demo, held-out data, and a
+    ``run_cell`` that writes a cell (recording the lane that ran it) unless it is there."""
+    import json
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    monkeypatch.setattr(ablate, "demo_inputs", lambda path: {"eval_prompts": ["mt_bench"]})
+    monkeypatch.setattr(ablate, "_heldout_data", lambda demo, spec, out: out / "heldout")
+    ran = []
+
+    def fake_run_cell(demo, args, variant, seed, heldout):
+        done = ablate._cell_dir(args.out, variant[0], seed) / "cell.json"
+        if not done.is_file():
+            ran.append((variant[0], seed, args.lane))
+            done.parent.mkdir(parents=True)
+            done.write_text(json.dumps(cell(variant[0], seed, 1.5 + seed / 100, 0.5, 1.0)))
+        return json.loads(done.read_text())
+
+    monkeypatch.setattr(ablate, "run_cell", fake_run_cell)
+    return ran
+
+
+@pytest.mark.parametrize("lanes, cores", [(2, [0, 1]), (3, [2, 3, 5, 7])])
+def test_lanes_run_each_cell_once_on_cores_of_their_own_and_the_parent_sums_up(
+    tmp_path, monkeypatch, lanes, cores
+):
+    import json
+
+    ran = _lane_demo(tmp_path, monkeypatch, cores)
+    argv = ["ablate", "--variant", "a", "--variant", "b", "lr=0.002", "--seeds", "0,1,2",
+            "--out", str(tmp_path / "out"), "--lanes", str(lanes)]
+    started = []
+
+    class Lane:
+        """A lane run in this process: ablate.main under the lane's arguments."""
+
+        def __init__(self, cmd, env, cores, log):
+            assert cmd[1:3] == ["-m", "eval.ablate"]
+            started.append((env, cores))
+            saved = sys.argv
+            sys.argv = ["ablate", *cmd[3:]]
+            try:
+                ablate.main()
+            finally:
+                sys.argv = saved
+            self.returncode = 0
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(ablate, "start_on_cores", Lane)
+    monkeypatch.setattr(sys, "argv", argv)
+    ablate.main()
+    jobs = [(v, s) for s in (0, 1, 2) for v in ("a", "b")]
+    assert sorted((v, s) for v, s, _ in ran) == sorted(jobs)
+    for v, s, lane in ran:  # lane k runs the cells k, k + lanes, ... (seed-major)
+        assert lane == f"{jobs.index((v, s)) % lanes}/{lanes}"
+    # each lane's threads, its engines' binding and its affinity: the same cores, no two lanes'
+    shares = [mine for _, mine in started]
+    assert sorted(c for mine in shares for c in mine) == cores
+    for env, mine in started:
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, mine))
+        assert env["OMP_NUM_THREADS"] == str(len(mine))
+    record = json.loads((tmp_path / "out" / "ablation.json").read_text())
+    assert len(record["cells"]) == len(jobs)
+    assert record["summary"]["b"]["served mt_bench: acceptance length"]["n"] == 3
+
+
+def test_a_failed_lane_is_named_with_its_log_and_the_others_cells_are_kept(
+    tmp_path, monkeypatch
+):
+    ran = _lane_demo(tmp_path, monkeypatch, [0, 1])
+
+    class Lane:
+        def __init__(self, cmd, env, cores, log):
+            self.returncode = 1 if cmd[-1] == "1/2" else 0
+            if not self.returncode:
+                saved = sys.argv
+                sys.argv = ["ablate", *cmd[3:]]
+                try:
+                    ablate.main()
+                finally:
+                    sys.argv = saved
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(ablate, "start_on_cores", Lane)
+    monkeypatch.setattr(sys, "argv", ["ablate", "--variant", "a", "--variant", "b", "lr=0.002",
+                                      "--seeds", "0", "--out", str(tmp_path / "out"),
+                                      "--lanes", "2"])
+    with pytest.raises(SystemExit) as stop:
+        ablate.main()
+    log = tmp_path / "out" / "lanes" / "lane-1.log"
+    assert str(stop.value) == (
+        f"lane 1 (exit 1, log {log}) failed; rerun the same command to resume."
+    )
+    assert ran == [("a", 0, "0/2")]
+    assert not (tmp_path / "out" / "ablation.json").exists()
+
+
+@pytest.mark.parametrize("lanes", [0, 3])
+def test_lanes_past_the_cores_are_refused_before_anything_runs(tmp_path, monkeypatch, lanes):
+    _lane_demo(tmp_path, monkeypatch, [0, 1])
+    monkeypatch.setattr(ablate, "demo_inputs", lambda path: pytest.fail("it ran"))
+    monkeypatch.setattr(sys, "argv", ["ablate", "--out", str(tmp_path), "--lanes", str(lanes)])
+    with pytest.raises(SystemExit) as stop:
+        ablate.main()
+    assert str(stop.value) == (
+        f"--lanes {lanes}: a lane needs a core of its own and this machine has 2; use 1 to 2."
+    )
+
+
+def test_the_lanes_benchmark_rates_a_training_by_its_steps_after_the_warm_up(tmp_path):
+    import json
+
+    from eval import bench_lanes
+
+    steps = [{"step": i + 1, "tokens": 100.0 + i, "wall_s": 2.0 * (i + 1) + i * i / 10}
+             for i in range(8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    timed = steps[3:]  # after 3 warm-up steps: from the end of step 3 to the end of step 8
+    expected = sum(r["tokens"] for r in timed) / (steps[-1]["wall_s"] - steps[2]["wall_s"])
+    assert bench_lanes.rate(tmp_path, 3) == pytest.approx(expected)
+    assert bench_lanes.rate(tmp_path, 0) == pytest.approx(
+        sum(r["tokens"] for r in steps) / steps[-1]["wall_s"])
+    with pytest.raises(SystemExit, match="has 8 steps; --steps must exceed --skip"):
+        bench_lanes.rate(tmp_path, 8)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from ..common.devices import cpu_shares, start_on_cores, usable_cores
 from ..common.errors import UserError
 from ..common.files import atomic_write_json
 from ..common.reading import read_json
@@ -94,26 +94,14 @@ def _environments(config: DataGenConfig, replicas: int) -> list[tuple[dict, list
             )
         return [({**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[r * tp : (r + 1) * tp])}, None)
                 for r in range(replicas)]
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1)
-    )
+    cores = usable_cores()
     if replicas * tp > len(cores):
         raise UserError(
             f"--data-parallel-size {replicas} with --tensor-parallel-size {tp} needs "
             f"{replicas * tp} CPU cores, one per rank, and this machine has {len(cores)}; use "
             f"--data-parallel-size {max(1, len(cores) // tp)} or less."
         )
-    found = []
-    for r in range(replicas):
-        mine = cores[r * len(cores) // replicas : (r + 1) * len(cores) // replicas]
-        ranks = [mine[k * len(mine) // tp : (k + 1) * len(mine) // tp] for k in range(tp)]
-        env = {
-            **base,
-            "OMP_NUM_THREADS": str(len(mine)),
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in ranks),
-        }
-        found.append((env, mine))
-    return found
+    return [({**base, **variables}, mine) for variables, mine in cpu_shares(replicas, tp)]
 
 
 def _replica_config(config: DataGenConfig, part, directory: Path, on_cpu: bool) -> dict:
@@ -138,11 +126,7 @@ def _run_replicas(config: DataGenConfig, parts, dirs: list[Path], environments) 
             log = directory.with_name(directory.name + ".log")
             command = [sys.executable, "-m", "speculators_peagle_plugin", "generate-data",
                        "--config", str(settings)]
-            with open(log, "ab") as fh:
-                process = subprocess.Popen(
-                    command, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                    preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None,
-                )
+            process = start_on_cores(command, env, cores, log)
             logger.info("Replica %s of %d: %s (log %s).", part, len(parts), directory, log)
             running.append((part, log, process))
         failed = [(part, log, process.wait()) for part, log, process in running]
