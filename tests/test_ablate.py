@@ -167,6 +167,31 @@ def _lane_demo(tmp_path, monkeypatch, cores):
     return ran
 
 
+def _lanes_in_this_process(monkeypatch, failing=None) -> list:
+    """Each lane run in this process (``ablate.main`` under its arguments) instead of a
+    process of its own; the lane ``failing`` (``k/N``) exits 1 without running. Returns the
+    ``(environment, cores)`` each lane was started with."""
+    started = []
+
+    class Lane:
+        def __init__(self, cmd, env, cores, log):
+            assert cmd[1:3] == ["-m", "eval.ablate"]
+            started.append((env, cores))
+            self.returncode = 1 if cmd[-1] == failing else 0
+            if not self.returncode:
+                saved, sys.argv = sys.argv, ["ablate", *cmd[3:]]
+                try:
+                    ablate.main()
+                finally:
+                    sys.argv = saved
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(ablate, "start_on_cores", Lane)
+    return started
+
+
 @pytest.mark.parametrize("lanes, cores", [(2, [0, 1]), (3, [2, 3, 5, 7])])
 def test_lanes_run_each_cell_once_on_cores_of_their_own_and_the_parent_sums_up(
     tmp_path, monkeypatch, lanes, cores
@@ -176,26 +201,7 @@ def test_lanes_run_each_cell_once_on_cores_of_their_own_and_the_parent_sums_up(
     ran = _lane_demo(tmp_path, monkeypatch, cores)
     argv = ["ablate", "--variant", "a", "--variant", "b", "lr=0.002", "--seeds", "0,1,2",
             "--out", str(tmp_path / "out"), "--lanes", str(lanes)]
-    started = []
-
-    class Lane:
-        """A lane run in this process: ablate.main under the lane's arguments."""
-
-        def __init__(self, cmd, env, cores, log):
-            assert cmd[1:3] == ["-m", "eval.ablate"]
-            started.append((env, cores))
-            saved = sys.argv
-            sys.argv = ["ablate", *cmd[3:]]
-            try:
-                ablate.main()
-            finally:
-                sys.argv = saved
-            self.returncode = 0
-
-        def poll(self):
-            return self.returncode
-
-    monkeypatch.setattr(ablate, "start_on_cores", Lane)
+    started = _lanes_in_this_process(monkeypatch)
     monkeypatch.setattr(sys, "argv", argv)
     ablate.main()
     jobs = [(v, s) for s in (0, 1, 2) for v in ("a", "b")]
@@ -217,22 +223,7 @@ def test_a_failed_lane_is_named_with_its_log_and_the_others_cells_are_kept(
     tmp_path, monkeypatch
 ):
     ran = _lane_demo(tmp_path, monkeypatch, [0, 1])
-
-    class Lane:
-        def __init__(self, cmd, env, cores, log):
-            self.returncode = 1 if cmd[-1] == "1/2" else 0
-            if not self.returncode:
-                saved = sys.argv
-                sys.argv = ["ablate", *cmd[3:]]
-                try:
-                    ablate.main()
-                finally:
-                    sys.argv = saved
-
-        def poll(self):
-            return self.returncode
-
-    monkeypatch.setattr(ablate, "start_on_cores", Lane)
+    _lanes_in_this_process(monkeypatch, failing="1/2")
     monkeypatch.setattr(sys, "argv", ["ablate", "--variant", "a", "--variant", "b", "lr=0.002",
                                       "--seeds", "0", "--out", str(tmp_path / "out"),
                                       "--lanes", "2"])
