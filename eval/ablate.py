@@ -12,7 +12,8 @@ the others are set beside. Every arm trains on the demo's data with the demo's Y
 same optimizer steps, unless the variant sets ``max_steps`` (the lever "more epochs"; its
 training time is in the table) or ``data_path`` (a data-stage A/B: the same prompts with
 other replies, e.g. sampled at another temperature); the seed sets the initial weights, the
-row order and the COD draws.
+row order and the COD draws. ``--steps N`` trains every arm exactly N steps, a ``data_path``
+arm too (its epochs raised to reach them), unless the variant sets ``epochs`` itself.
 Per variant and seed (a cell):
 
 - train: ``speculators-peagle train`` in a child process; its wall time and peak RSS;
@@ -177,10 +178,13 @@ def run_cell(demo: dict, args, variant: tuple[str, dict], seed: int, heldout: di
         if cell["served"] or not args.serve:
             return cell
         return _served(demo, args, cell, cell_dir)  # screened before: serve it now
-    config_yaml = _variant_yaml(demo, overrides, Path(args.out) / name / "train.yaml")
     # every arm trains the same steps, unless the variant is about the step count
     steps = args.steps if args.steps is not None else demo["steps_demo"]
     steps = overrides.get("max_steps", steps)
+    # --steps N is N steps exactly: max_steps only caps epochs, and an arm whose data packs
+    # into fewer rows would end its epochs sooner (an epoch is at least one step)
+    exact = {"epochs": steps} if args.steps is not None else {}
+    config_yaml = _variant_yaml(demo, {**exact, **overrides}, Path(args.out) / name / "train.yaml")
     data = str(Path(overrides.get("data_path", demo["data"])).resolve())
     if demo_trained_it(demo, overrides, seed, steps):
         trained = {**demo["trained"], "peak_rss_gib": None}  # no peak RSS on record

@@ -102,6 +102,42 @@ def test_a_variant_with_data_path_trains_and_is_judged_on_that_data(tmp_path, mo
     assert judged == trained
 
 
+@pytest.mark.parametrize("steps", [7, 1740])
+def test_steps_given_are_trained_exactly_by_every_arm(tmp_path, monkeypatch, steps):
+    """``max_steps`` only caps the epochs: an arm whose data packs into fewer rows would stop
+    sooner, so --steps raises the epochs too (a variant's own ``epochs`` stays)."""
+    import types
+
+    import yaml
+
+    from speculators_peagle_plugin.training.train_config import TrainConfig
+
+    demo_yaml = tmp_path / "demo.yaml"
+    demo_yaml.write_text(yaml.safe_dump({"algorithm": "peagle", "epochs": 3}))
+    demo = {"target": str(tmp_path / "target"), "data": str(tmp_path / "demo-data"),
+            "config": str(demo_yaml), "steps_demo": None, "trained": None}
+    trained = {}
+
+    def fake_train(demo, config_yaml, data, save, seed, steps):
+        schedule = TrainConfig.from_sources(
+            str(config_yaml), verifier_name_or_path="t", data_path="d", save_path=str(save)
+        ).trainer.schedule
+        trained[save.parent.parent.name] = (steps, schedule.epochs)
+        save.mkdir(parents=True)
+        return {"checkpoint": str(save / "checkpoint-1"), "train_s": 1.0}
+
+    monkeypatch.setattr(ablate, "_train", fake_train)
+    monkeypatch.setattr("speculators_peagle_plugin.training.heldout.heldout_metrics",
+                        lambda *a: {})
+    args = types.SimpleNamespace(out=str(tmp_path / "out"), steps=steps, eval_prompts=[],
+                                 serve=False)
+    for variant in (("base", {}), ("other", {"data_path": str(tmp_path / "other")}),
+                    ("e5", {"epochs": 5}), ("long", {"max_steps": 2 * steps})):
+        ablate.run_cell(demo, args, variant, 0, {})
+    assert trained == {"base": (steps, steps), "other": (steps, steps), "e5": (steps, 5),
+                       "long": (2 * steps, 2 * steps)}
+
+
 def test_a_screened_cell_is_served_later_without_training_again(tmp_path, monkeypatch):
     import json
     import types
