@@ -299,3 +299,13 @@ def test_generate_data_stopped_mid_conversation_keeps_its_turns(tmp_path):
     again = StoppingTarget(0)
     assert generate_responses(again, chats, tmp_path / "resumed") == whole
     assert again.calls == 2 and not list(responses.glob("*.turns"))
+
+
+def test_the_progress_bar_counts_conversations_when_some_have_several_user_turns():
+    from speculators_peagle_plugin.datagen.generation import _unit
+
+    system = {"role": "system", "content": "s"}
+    assistant = {"role": "assistant", "content": "a"}
+    assert _unit([[user("a")], [system, user("b")]]) == "reply"
+    assert _unit([[user("a")], [user("b"), assistant, user("c")]]) == "conversation"
+    assert _unit([]) == "reply"

@@ -285,6 +285,13 @@ class _ShardFiles:
             )
 
 
+def _unit(prompts: list[list[dict]]) -> str:
+    """What the progress bar counts: a finished conversation, which is one reply unless some
+    conversation has several user turns."""
+    several = any(sum(t["role"] == "user" for t in turns) > 1 for turns in prompts)
+    return "conversation" if several else "reply"
+
+
 def generate_responses(
     target: Target, prompts: list[list[dict]], output: Path, record: dict | None = None,
     span: tuple[int, int] | None = None,
@@ -313,7 +320,7 @@ def generate_responses(
     began, tokens = time.perf_counter(), 0
     with (
         target.generator(output / VLLM_LOG_FILE) if todo else nullcontext(),
-        tqdm(total=stop - start, initial=stop - start - len(todo), unit="reply",
+        tqdm(total=stop - start, initial=stop - start - len(todo), unit=_unit(prompts),
              desc="Generating") as bar,
     ):
 
