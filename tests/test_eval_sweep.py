@@ -69,6 +69,31 @@ def test_driver_keeps_exactly_c_in_flight_while_prompts_remain(concurrency):
         drive(engine, [], 0, print)
 
 
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_follow_up_goes_in_ahead_of_every_request_not_started(seed):
+    """Conversations' turns: turn t + 1 is a follow-up of turn t. Between a turn's finish
+    and its follow-up's start the engine is given only other follow-ups."""
+    rng = random.Random(seed)
+    turns = {f"c{i}": rng.randint(1, 4) for i in range(12)}
+    lengths = {f"{c}.{t}": rng.randint(1, 9) for c, n in turns.items() for t in range(n)}
+    engine = FakeEngine(lengths, max_num_seqs=16)
+    added_before = {}  # request -> how many requests the engine had been given at its finish
+
+    def on_finished(out):
+        added_before[out.request_id] = len(engine.order)
+        c, t = out.request_id.split(".")
+        return [(f"{c}.{int(t) + 1}", None, None)] if int(t) + 1 < turns[c] else None
+
+    most = drive(engine, [(f"{c}.0", None, None) for c in turns], 4, on_finished)
+    assert sorted(engine.order) == sorted(lengths) and most == 4
+    assert max(held for held, _ in engine.held) == 4
+    for request in lengths:
+        c, t = request.split(".")
+        if int(t):
+            between = engine.order[added_before[f"{c}.{int(t) - 1}"] : engine.order.index(request)]
+            assert all(not r.endswith(".0") for r in between)
+
 def run(k, c, tps, label="d", prompt_set="p", per_position=None):
     return {"draft": "/ck/d", "label": label if k else "no draft", "k": k, "concurrency": c,
             "prompt_set": prompt_set, "tokens_per_s": tps, "outputs": [[1, 2]],

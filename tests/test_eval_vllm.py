@@ -191,6 +191,60 @@ def test_speculators_own_checkpoint_evaluates_end_to_end(trained, tmp_path):
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+
+@pytest.mark.slow
+def test_an_open_jobs_follow_ups_decode_as_a_plain_job_and_a_driver_stop_ends_the_worker(
+    tmp_path,
+):
+    """A follow-up given at a progress event runs as the job's next index and decodes what
+    the same prompt decodes in a plain job; a next turn finds the turn before it in the
+    prefix cache; a driver that stops while the worker waits for its answer leaves no
+    worker behind (it quits at once, cleanly)."""
+    import time
+
+    target = tiny_vllm_target(tmp_path / "target", seed=5)
+    prompts = prompts_for(target, "chat[20:24]")
+    worker = VllmWorker(tmp_path / "worker.log", in_process=True, kv_cache_gb=1)
+
+    def vllm_job(prompts, **extra):
+        return VllmJob(target=str(target), prompts=prompts, max_tokens=12, batch_size=2,
+                       prefix_caching=True, **extra)
+
+    with worker:
+        plain = worker.run(vllm_job(prompts))
+        given = []
+
+        def follow(message):  # the first two bring one request each, indices 2 and 3
+            if message["event"] == "progress" and message["index"] < 2:
+                given.append(message["index"])
+                return [(prompts[1 + len(given)], None)]
+            return None
+
+        result = worker.run(vllm_job(prompts[:2], follow_ups=True), follow)
+        assert sorted(given) == [0, 1]
+        assert result["outputs"] == plain["outputs"]
+
+        long = [10 + (7 * i) % 90 for i in range(300)]  # over two 128-token blocks, new
+
+        def next_turn(message):
+            if message["index"] == 0:
+                return [(long + message["token_ids"] + [11, 12, 13], None)]
+            return None
+
+        turns = worker.run(vllm_job([long], follow_ups=True), next_turn)
+        assert len(turns["outputs"]) == 2
+        assert 256 <= turns["prefix_cache"]["hits"] <= len(long) + 12
+        assert turns["prefix_cache"]["queries"] >= 2 * len(long)
+
+        def stop(message):
+            if message["event"] == "progress":
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            worker.run(vllm_job(prompts, follow_ups=True), stop)
+        began = time.perf_counter()
+    assert worker.proc.returncode == 0 and time.perf_counter() - began < 60
+
 @pytest.mark.slow
 def test_generate_data_with_vllm_equals_transformers_greedy_and_samples_per_prompt(tmp_path):
     """The vllm backend writes the rows the transformers backend writes (greedy, multi-turn);

@@ -151,20 +151,25 @@ def _reply(prompt, seed):
 
 
 class FakeTarget:
-    """What ``_regenerate`` uses of a Target: replies finish in a shuffled order, as vLLM's
-    requests do."""
+    """What ``_regenerate`` uses of a Target: requests finish in a random order, as vLLM's
+    do, a follow-up among those not finished yet; ``asked`` holds every prompt."""
 
     def __init__(self, order_seed):
         self.rng = random.Random(order_seed)
+        self.asked = []
 
     def prompt_ids(self, turns):
         return _render(turns)
 
-    def generate(self, prompts, seeds, on_reply, on_event=None, record=None):
-        order = list(range(len(prompts)))
-        self.rng.shuffle(order)
-        for j in order:
-            on_reply(j, _reply(prompts[j], seeds[j]))
+    def generate(self, prompts, seeds, on_reply, on_event=None, record=None, follow_ups=False):
+        pending = list(enumerate(zip(prompts, seeds, strict=True)))
+        self.asked += prompts
+        while pending:
+            j, (prompt, seed) = pending.pop(self.rng.randrange(len(pending)))
+            added = on_reply(j, _reply(prompt, seed)) or []
+            assert follow_ups or not added
+            pending += [(len(self.asked) + n, request) for n, request in enumerate(added)]
+            self.asked += [prompt for prompt, _ in added]
 
     def decode_reply(self, reply):
         return "r" + ".".join(map(str, reply[:-1]))
@@ -240,52 +245,78 @@ def test_sharegpt_turns_feed_the_regeneration_one_row_per_user_turn(fake_sharegp
 
 
 class StoppingTarget(FakeTarget):
-    """A FakeTarget that stops its run (KeyboardInterrupt, as Ctrl-C would) at the start of
-    its ``stop_at``-th ``generate`` call; with what ``generate_responses`` reads of a Target."""
+    """A FakeTarget that stops its run (KeyboardInterrupt, as Ctrl-C would) once it has
+    replied ``stop_at`` times; with what ``generate_responses`` reads of a Target."""
 
     def __init__(self, order_seed, stop_at=None, batch_size=2):
         super().__init__(order_seed)
-        self.calls, self.stop_at = 0, stop_at
+        self.replies, self.stop_at = 0, stop_at
         replies = SimpleNamespace(num_samples=1, backend="vllm", batch_size=batch_size)
         self.config = SimpleNamespace(replies=replies, seed=order_seed)
+        self.prefix_cache = {"queries": 0, "hits": 0}
 
     def generator(self, log):
         return nullcontext()
 
-    def generate(self, prompts, seeds, on_reply, on_event=None, record=None):
-        if self.calls == self.stop_at:
-            raise KeyboardInterrupt
-        self.calls += 1
-        super().generate(prompts, seeds, on_reply, on_event, record)
+    def generate(self, prompts, seeds, on_reply, on_event=None, record=None, follow_ups=False):
+        def counted(j, reply):
+            if self.replies == self.stop_at:
+                raise KeyboardInterrupt
+            self.replies += 1
+            return on_reply(j, reply)
+
+        super().generate(prompts, seeds, counted, on_event, record, follow_ups)
+
+
+def _user_turns(turns):
+    return sum(m["role"] == "user" for m in turns)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_regeneration_stopped_between_turns_resumes_from_its_last_turn(seed):
+def test_a_regeneration_stopped_mid_job_resumes_from_its_last_saved_turns(seed):
     rng = random.Random(seed)
     chats = [[m for m in _random_conversation(rng) if m["role"] != "assistant"]
              for _ in range(5)] + [[user(f"u{t}") for t in range(4)]]
     indices = list(range(10, 16))
+    oracle = {k: _replayed(c, indices[k], seed) for k, c in enumerate(chats)}
+    total = sum(map(_user_turns, chats))
     saved = []
     with pytest.raises(KeyboardInterrupt):
-        _regenerate(StoppingTarget(seed, stop_at=2), chats, indices, seed, lambda k, r: None,
+        _regenerate(StoppingTarget(seed, stop_at=rng.randint(len(chats), total - 1)), chats,
+                    indices, seed, lambda k, r: None, save_every_s=0,
                     on_turn=lambda so_far: saved.append(json.loads(json.dumps(so_far))))
-    assert len(saved) == 2  # one per finished turn
     started = {int(k): v for k, v in saved[-1].items()}
-    assert all(len(v["rows"]) == min(2, sum(m["role"] == "user" for m in chats[k]))
-               for k, v in started.items())
+    assert all(v["rows"] == oracle[k][: len(v["rows"])] for k, v in started.items())
     done = {}
     target = StoppingTarget(seed)
     _regenerate(target, chats, indices, seed, lambda k, r: done.setdefault(k, r),
                 started=started)
-    assert done == {k: _replayed(c, indices[k], seed) for k, c in enumerate(chats)}
-    assert target.calls == max(sum(m["role"] == "user" for m in c) for c in chats) - 2
+    assert done == oracle
+    assert target.replies == total - sum(len(v["rows"]) for v in started.values())
 
 
-def test_generate_data_stopped_mid_conversation_keeps_its_turns(tmp_path):
+@pytest.mark.parametrize("seed", range(3))
+def test_turns_are_saved_after_each_reply_a_turn_follows_at_most_once_a_period(seed):
+    rng = random.Random(seed)
+    chats = [[m for m in _random_conversation(rng) if m["role"] != "assistant"]
+             for _ in range(6)]
+    indices = list(range(6))
+    followed = sum(map(_user_turns, chats)) - len(chats)  # replies that another turn follows
+    for period, saves in ((0, followed), (3600, 0)):
+        saved, target = [], FakeTarget(seed)
+        _regenerate(target, chats, indices, seed, lambda k, r: None, save_every_s=period,
+                    on_turn=lambda so_far, saved=saved: saved.append(len(so_far)))
+        assert len(saved) == saves
+        assert len(target.asked) == sum(map(_user_turns, chats))  # each turn asked once
+
+
+def test_generate_data_stopped_mid_conversation_keeps_its_turns(tmp_path, monkeypatch):
     """The job's turns survive a stop before any shard is complete: the rerun generates
     only the turns left, writes what an uninterrupted run writes, and leaves no turns file."""
+    from speculators_peagle_plugin.datagen import generation
     from speculators_peagle_plugin.datagen.generation import generate_responses
 
+    monkeypatch.setattr(generation, "TURNS_SAVE_EVERY_S", 0)
     rng = random.Random(0)
     chats = [[user(f"q{i}")] * (1 + (i == 0) * 3) + [user(f"p{rng.random()}")]
              for i in range(5)]  # conversation 0 holds every shard back with 5 turns
@@ -293,12 +324,14 @@ def test_generate_data_stopped_mid_conversation_keeps_its_turns(tmp_path):
         (tmp_path / name).mkdir()
     whole = generate_responses(StoppingTarget(0), chats, tmp_path / "whole")
     with pytest.raises(KeyboardInterrupt):
-        generate_responses(StoppingTarget(0, stop_at=3), chats, tmp_path / "resumed")
+        generate_responses(StoppingTarget(0, stop_at=6), chats, tmp_path / "resumed")
     responses = tmp_path / "resumed" / "responses"
-    assert not list(responses.glob("*.json")) and len(list(responses.glob("*.turns"))) == 1
+    assert not list(responses.glob("*.json"))
+    (turns,) = responses.glob("*.turns")
+    kept = sum(len(v["rows"]) for v in json.loads(turns.read_text()).values())
     again = StoppingTarget(0)
     assert generate_responses(again, chats, tmp_path / "resumed") == whole
-    assert again.calls == 2 and not list(responses.glob("*.turns"))
+    assert again.replies == 13 - kept and not list(responses.glob("*.turns"))
 
 
 def test_the_progress_bar_counts_conversations_when_some_have_several_user_turns():

@@ -206,7 +206,7 @@ def test_target_generates_on_and_logs_once_when_vllm_cannot_record(target, tmp_p
             for j in range(len(job.prompts)):
                 on_event({"event": "progress", "index": j, "token_ids": [5, 2]})
             error = {"error": "no layers to hook"} if job.extension else None
-            return {"extension": error}
+            return {"extension": error, "prefix_cache": {"queries": 0, "hits": 0}}
 
     from speculators_peagle_plugin.datagen.datagen_config import DataGenConfig
 

@@ -5,9 +5,10 @@ Each shard (``DIR/responses/<first>-<last>.json``) maps a prompt index to its ro
 and draws the same replies (each reply samples with its own seed). vLLM gets the prompts of
 several shards as one job (``VLLM_SHARDS_PER_JOB``), so its engine stays full across shard
 boundaries; a shard is written as soon as its last reply is in. Conversations of several
-user turns are regenerated turn by turn across a job, so a shard waits for its longest
-conversation: after each turn the job's replies so far go to ``<first>-<last>.turns``, and
-a stopped run takes its conversations up again from their last finished turn.
+user turns are regenerated turn by turn, each conversation's next turn asked as soon as its
+reply is in, so a shard waits for its longest conversation: meanwhile, every
+``TURNS_SAVE_EVERY_S`` at most, the job's replies so far go to ``<first>-<last>.turns``, and
+a stopped run takes its conversations up again from their last saved turn.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -35,6 +36,9 @@ from .turn_state import Conversations, TurnFiles
 from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)
+
+FollowUps = list[tuple[list[int], int | None]]  # (prompt, seed) of the requests that follow
+TURNS_SAVE_EVERY_S = 60.0  # how often a job's finished turns go to its .turns file, at most
 
 
 class Target:
@@ -55,6 +59,8 @@ class Target:
         pad = self.tokenizer.pad_token_id
         self.pad_id = self.eos_ids[0] if pad is None else pad
         self.vllm = None  # a running VllmWorker while the vllm backend generates
+        # vLLM's prefix cache over this target's jobs: prompt tokens looked up, found cached
+        self.prefix_cache = {"queries": 0, "hits": 0}
         self.record_error: str | None = None  # why vLLM could not record states, once it said
 
     @cached_property
@@ -86,18 +92,25 @@ class Target:
             finally:
                 self.vllm = None
 
-    @torch.no_grad()
     def generate(
         self,
         prompts: list[list[int]],
         seeds: list[int],
-        on_reply: Callable[[int, list[int]], None],
+        on_reply: Callable[[int, list[int]], FollowUps | None],
         on_event: Callable[[dict], None] | None = None,
         record: dict | None = None,
+        follow_ups: bool = False,
     ) -> None:
         """Complete every prompt; ``on_reply(j, completion)`` gets prompt ``j``'s completion,
         cut after its first EOS, as soon as it is done (vLLM: when its request finishes;
         transformers: after the batch, in order).
+
+        With ``follow_ups``, ``on_reply`` may return ``(prompt, seed)`` pairs that follow
+        reply ``j`` (a conversation's next turn): they are completed too, as prompts
+        ``len(prompts)``, ``len(prompts) + 1``, ... in the order returned. vLLM runs them
+        as soon as they are given, ahead of the prompts not started yet, so that the
+        prefix they share with reply ``j`` is still in its prefix cache; transformers
+        runs them as the next batch once this one is done.
 
         ``seeds[j]`` seeds prompt ``j``'s sampling. On vLLM it is the request's own seed
         (greedy requests get none), so a reply depends on its prompt and seed, not on the
@@ -109,30 +122,33 @@ class Target:
         states of every token it computes; an engine that cannot record says why in the
         log once, and generates as usual.
         """
-        from transformers import GenerationConfig
-
         cfg, replies = self.config, self.config.replies
         if self.vllm is not None:
             record = record if self.record_error is None else None
+            sampled = replies.temperature > 0  # greedy requests get no seed
             job = VllmJob(
                 target=str(Path(cfg.target).resolve()), prompts=prompts,
                 max_tokens=replies.max_new_tokens, batch_size=replies.batch_size,
-                dtype=cfg.dtype, seed=cfg.seed, seeds=seeds if replies.temperature > 0 else None,
+                dtype=cfg.dtype, seed=cfg.seed, seeds=seeds if sampled else None,
                 temperature=replies.temperature, top_p=replies.top_p,
                 prefix_caching=True,
                 engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
                 extension=recording_extension(record) if record else None,
+                follow_ups=follow_ups,
             )
 
-            def event(message: dict) -> None:
+            def event(message: dict) -> FollowUps:
+                added = []
                 if message["event"] == "progress":
-                    on_reply(
-                        message["index"], completion_tokens(message["token_ids"], self.eos_ids)
-                    )
+                    completion = completion_tokens(message["token_ids"], self.eos_ids)
+                    added = on_reply(message["index"], completion) or []
                 if on_event is not None:
                     on_event(message)
+                return [(prompt, seed if sampled else None) for prompt, seed in added]
 
             result = self.vllm.run(job, event)
+            for key, tokens in result["prefix_cache"].items():
+                self.prefix_cache[key] += tokens
             if record and (result["extension"] or {}).get("error"):
                 self.record_error = result["extension"]["error"]
                 logger.warning(
@@ -140,6 +156,21 @@ class Target:
                     "second pass will capture them.", self.record_error,
                 )
             return
+        first = 0
+        while prompts:  # a batch, then the follow-ups its replies brought
+            added = []
+            for j, completion in enumerate(self._transformers_generate(prompts, seeds)):
+                added += on_reply(first + j, completion) or []
+            first += len(prompts)
+            prompts, seeds = [p for p, _ in added], [seed for _, seed in added]
+
+    @torch.no_grad()
+    def _transformers_generate(self, prompts: list[list[int]], seeds: list[int]) -> list:
+        """Every prompt's completion, cut after its first EOS: one batch, sampled from one
+        generator seeded with ``seeds[0]``."""
+        from transformers import GenerationConfig
+
+        cfg, replies = self.config, self.config.replies
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -161,8 +192,7 @@ class Target:
             attention_mask=mask.to(cfg.device),
             generation_config=gen_config,
         )
-        for j, row in enumerate(out[:, width:].cpu()):
-            on_reply(j, completion_tokens(row.tolist(), self.eos_ids))
+        return [completion_tokens(row.tolist(), self.eos_ids) for row in out[:, width:].cpu()]
 
     def decode_reply(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion, skip_special_tokens=True)
@@ -199,30 +229,44 @@ def _regenerate(
     record=None,
     started: dict[int, dict] | None = None,
     on_turn: Callable[[dict[int, dict]], None] | None = None,
+    save_every_s: float | None = None,
 ) -> int:
-    """Regenerate every assistant turn of a batch of conversations, turn by turn.
+    """Regenerate every assistant turn of a batch of conversations, each turn once the reply
+    before it is in.
 
     Like speculators' ``regenerate-responses``: each user turn gets the target's reply to the
     conversation so far (with its own earlier replies), and each reply is one boundary row
     (speculators' ``build_boundary_sample``: loss_mask 0 on the prompt, 1 on the reply; with
-    ``record``, 0 on the reply's last token too, which has no recorded state).
+    ``record``, 0 on the reply's last token too, which has no recorded state). A
+    conversation's next turn is asked as soon as its reply lands (:meth:`Target.generate`'s
+    follow-ups: on vLLM ahead of the turns not started yet, while its prefix is cached).
     ``on_complete(k, rows)`` gets conversation k's rows as soon as its last reply is in.
     Turn t of conversation k samples with seed ``mix_seed(seed, indices[k], t)``: its reply
     does not depend on the batch, so a resumed run draws what an uninterrupted one would.
     ``started[k]`` (``{"rows", "replies"}``: the rows and reply texts of conversation k's
     first turns) resumes k after them; ``on_turn`` gets the same, for every conversation with
-    a reply, after each turn that another follows. Returns the number of generated tokens.
+    a reply, after a reply that another turn follows, at most once every ``save_every_s``
+    seconds (None: ``TURNS_SAVE_EVERY_S``). Returns the number of generated tokens.
     ``on_event`` and ``record`` as in :meth:`Target.generate`.
     """
     from speculators.cli.regenerate_responses import build_boundary_sample
 
     state = Conversations(conversations)
-    generated = 0
+    state.resume(started or {})
+    save_every_s = TURNS_SAVE_EVERY_S if save_every_s is None else save_every_s
+    asked: list[tuple[int, list[int]]] = []  # request j: (its conversation, its prompt)
+    generated, saved = 0, time.perf_counter()
 
-    def on_reply(active: list[int], prompts: list[list[int]], j: int, reply: list[int]) -> None:
-        nonlocal generated
-        k = active[j]
-        input_ids, loss_mask = build_boundary_sample(prompts[j], reply)
+    def ask(k: int) -> tuple[list[int], int]:
+        state.next_user_turn(k)
+        prompt = target.prompt_ids(state.history[k])
+        asked.append((k, prompt))
+        return prompt, mix_seed(seed, indices[k], len(state.rows[k]))
+
+    def on_reply(j: int, reply: list[int]) -> FollowUps:
+        nonlocal generated, saved
+        k, prompt = asked[j]
+        input_ids, loss_mask = build_boundary_sample(prompt, reply)
         if record:
             loss_mask[-1] = 0
         row = {"input_ids": input_ids, "loss_mask": loss_mask}
@@ -230,23 +274,23 @@ def _regenerate(
         generated += len(reply)
         if not state.has_user_turn(k):
             on_complete(k, state.rows[k])
+            return []
+        if on_turn is not None and time.perf_counter() - saved >= save_every_s:
+            on_turn(state.so_far())
+            saved = time.perf_counter()
+        return [ask(k)]
 
-    state.resume(started or {})
     for k in range(len(conversations)):
         if not state.has_user_turn(k):
             on_complete(k, state.rows[k])
-    while True:
-        active = [k for k in range(len(conversations)) if state.has_user_turn(k)]
-        if not active:
-            return generated
-        for k in active:
-            state.next_user_turn(k)
-        prompts = [target.prompt_ids(state.history[k]) for k in active]
-        seeds = [mix_seed(seed, indices[k], len(state.rows[k])) for k in active]
-        target.generate(prompts, seeds, partial(on_reply, active, prompts), on_event, record)
-        more = any(state.has_user_turn(k) for k in active)  # else every conversation is done
-        if on_turn is not None and more:
-            on_turn(state.so_far())
+    first = [ask(k) for k in range(len(conversations)) if state.has_user_turn(k)]
+    if first:
+        more = any(state.has_user_turn(k) for k, _ in asked)  # a turn after the first ones
+        target.generate(
+            [prompt for prompt, _ in first], [s for _, s in first], on_reply, on_event, record,
+            follow_ups=more,
+        )
+    return generated
 
 
 def _done_shards(responses: Path) -> dict[int, list[dict]]:
@@ -342,8 +386,11 @@ def generate_responses(
     turns.drop_finished(done)  # a stopped run's jobs, cut otherwise
     if todo:
         elapsed = time.perf_counter() - began
+        cache = target.prefix_cache
         logger.info(
-            "Generated %d reply tokens for %d replies in %.1f s (%.1f tokens/s).",
+            "Generated %d reply tokens for %d conversations in %.1f s (%.1f tokens/s)%s.",
             tokens, len(todo), elapsed, tokens / elapsed,
+            f"; vLLM found {cache['hits']} of {cache['queries']} prompt tokens in its prefix "
+            "cache" if cache["queries"] else "",
         )
     return [(i, row) for i in range(start, stop) for row in done[i]]

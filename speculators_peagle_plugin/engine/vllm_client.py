@@ -87,6 +87,10 @@ class VllmJob:
             the ``speculative_config`` and ``kv_transfer_config`` of a hidden-state capture).
         extension: a :class:`WorkerExtension` the engine runs with and starts and stops
             around the job's requests; None: none.
+        follow_ups: an open job: each finished request may bring requests that follow it
+            (a conversation's next turn, whose prompt holds the finished one's): they run
+            before the prompts not started yet, while the prefix they share with it is
+            still cached (:meth:`VllmWorker.run` says how they are given).
 
     Consecutive jobs with the same engine settings reuse the worker's engine.
     """
@@ -110,6 +114,7 @@ class VllmJob:
     speculative_overrides: dict = field(default_factory=dict)
     engine_overrides: dict = field(default_factory=dict)
     extension: WorkerExtension | None = None
+    follow_ups: bool = False
 
     def to_json(self) -> dict:
         """The job as the worker's protocol carries it (a JSON object)."""
@@ -139,7 +144,10 @@ class VllmWorker:
         kv_cache_gb: ``VLLM_CPU_KVCACHE_SPACE`` for the worker.
 
     Use as a context manager; :meth:`run` sends one job and returns its result,
-    calling ``on_event`` for every ``engine`` / ``progress`` message. A job vLLM
+    calling ``on_event`` for every ``engine`` / ``progress`` message; in an open job
+    (``follow_ups``) what it returns for a ``progress`` message, ``(prompt, seed)`` pairs
+    (None: none), run next as requests ``len(prompts)``, ``len(prompts) + 1``, ... in the
+    order given, and come back as ``progress`` messages with those indices. A job vLLM
     cannot run, or one whose engine does not draft in parallel, raises ``RuntimeError``
     with one sentence: what failed (the engine's start, or a job on it), the cause (for an
     engine core that died, the one its log names: :mod:`.engine_start`), the log's path and,
@@ -225,11 +233,24 @@ class VllmWorker:
             if event == "engine":
                 starting = False
                 engine = {k: v for k, v in message.items() if k != "event"}
+            answer = None
             if on_event is not None and event in ("engine", "progress"):
-                on_event(message)
+                answer = on_event(message)
+            if job.follow_ups and event == "progress":
+                self._add(list(answer or ()))
             if event == "result":
                 message["engine"] = engine
                 return message
+
+    def _add(self, requests: list[tuple[list[int], int | None]]) -> None:
+        """Answer an open job's progress event: the requests that follow it."""
+        message = {"op": "add", "prompts": [list(prompt) for prompt, _ in requests],
+                   "seeds": [seed for _, seed in requests]}
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker is gone: reading its end says why
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -5,14 +5,19 @@ imported), so vLLM's engine, its threads and its memory live and die in this pro
 Protocol, one JSON object a line:
 
 - in (stdin): ``{"op": "run", "job": {...}}`` (a :class:`VllmJob` as JSON) or
-  ``{"op": "quit"}``.
+  ``{"op": "quit"}``; during an open job (``follow_ups``), one
+  ``{"op": "add", "prompts": [...], "seeds": [...]}`` after each ``progress`` event:
+  the requests that follow the finished one (none: ``[]``), which run next.
 - out (the original stdout; everything vLLM prints goes to stderr): ``{"event": "ready"}``
   once, then per job ``{"event": "engine_starting"}`` before an engine is built and
   ``{"event": "engine", ...}`` once it runs,
   ``{"event": "progress", "index", "token_ids", ...}`` after each finished request (its
-  position in the job's prompts, its generated tokens), and one
+  position in the job's prompts, then its follow-ups in the order they were added; its
+  generated tokens), and one
   ``{"event": "result", ...}`` (with ``"extension"``: the job's worker extension's report,
-  or ``{"error": ...}`` when the engine could not run it) or ``{"event": "error", "message": ...}``.
+  or ``{"error": ...}`` when the engine could not run it; ``"prefix_cache"``: the prompt
+  tokens the job's requests looked up in the prefix cache and found there,
+  ``{"queries", "hits"}``) or ``{"event": "error", "message": ...}``.
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set by the driver for ``in_process``) keeps the
 engine core in this process (``distributed_executor_backend="uni"``).
@@ -40,9 +45,13 @@ if TYPE_CHECKING:
     from speculators_peagle_plugin.engine.vllm_client import VllmJob, WorkerExtension
 
 
+class _Quit(Exception):
+    """The driver quit (or closed the pipe) while an open job waited for its answer."""
+
+
 class Worker:
-    def __init__(self, emit):
-        self.emit = emit
+    def __init__(self, emit, read):
+        self.emit, self.read = emit, read  # read(): the driver's next message, None at EOF
         self.llm = None
         self.key = None
         self.serial = 0  # request ids stay unique across jobs on one engine
@@ -101,16 +110,24 @@ class Worker:
         engine = llm.llm_engine
         has_draft = bool(job.draft)
         first = _counters(llm) if has_draft else None
+        cached = _prefix_cache(llm)
 
         def counters() -> dict | None:
             return (_counters(llm) - first).to_dict() if has_draft else None
 
         self.serial += 1
         ids = [f"{self.serial}-{i}" for i in range(len(job.prompts))]
-        requests = _requests(job, ids)
+        requests = _requests(job, ids, job.prompts, job.seeds)
         finished = _Finished(ids, self.emit, counters)
+        on_finished = finished.add
+        if job.follow_ups:
+
+            def on_finished(out) -> list[tuple]:
+                finished.add(out)
+                return self._follow_ups(job, ids, finished)
+
         extension = _start_extension(llm, job.extension)
-        drive(engine, requests, job.batch_size, finished.add)
+        drive(engine, requests, job.batch_size, on_finished)
         if job.engine_overrides.get("kv_transfer_config"):
             _flush_kv_connector(engine)
         if extension is None and job.extension is not None:
@@ -129,7 +146,19 @@ class Worker:
             "accepted_histograms": [finished.histograms[i] for i in ids] if has_draft else None,
             "outputs": ordered,
             "extension": extension,
+            "prefix_cache": {k: v - cached[k] for k, v in _prefix_cache(llm).items()},
         }
+
+    def _follow_ups(self, job: VllmJob, ids: list[str], finished: _Finished) -> list[tuple]:
+        """The driver's answer to an open job's progress event: the requests it adds, as
+        ``drive`` takes them (their indices continue ``ids``, which they join)."""
+        message = self.read()
+        if message is None or message.get("op") != "add":
+            raise _Quit
+        added = [f"{self.serial}-{i}" for i in range(len(ids), len(ids) + len(message["prompts"]))]
+        finished.index.update({request_id: len(ids) + n for n, request_id in enumerate(added)})
+        ids.extend(added)
+        return _requests(job, added, message["prompts"], message["seeds"])
 
 
 class _Finished:
@@ -164,9 +193,11 @@ class _Finished:
         )
 
 
-def _requests(job: VllmJob, ids: list[str]) -> list[tuple]:
-    """``(request id, prompt, sampling parameters)`` per prompt of ``job``: one shared
-    parameter object for unseeded prompts, one per seeded prompt."""
+def _requests(
+    job: VllmJob, ids: list[str], prompts: list[list[int]], seeds: list[int] | None
+) -> list[tuple]:
+    """``(request id, prompt, sampling parameters)`` per prompt, sampled as ``job`` says:
+    one shared parameter object for unseeded prompts, one per seeded prompt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -184,12 +215,12 @@ def _requests(job: VllmJob, ids: list[str]) -> list[tuple]:
             seed=seed,
         )
 
-    seeds = job.seeds if job.seeds is not None else [None] * len(ids)
+    seeds = seeds if seeds is not None else [None] * len(ids)
     shared = params(None)
     return [
         (request_id, TokensPrompt(prompt_token_ids=list(prompt)),
          shared if seed is None else params(seed))
-        for request_id, prompt, seed in zip(ids, job.prompts, seeds, strict=True)
+        for request_id, prompt, seed in zip(ids, prompts, seeds, strict=True)
     ]
 
 
@@ -258,6 +289,19 @@ def _counters(llm):
     return SpecDecodeCounters.from_metrics(llm.get_metrics())
 
 
+PREFIX_CACHE_METRICS = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+
+
+def _prefix_cache(llm) -> dict[str, int]:
+    """The engine's prefix-cache counters now, in prompt tokens: looked up, found cached
+    (cumulative, summed over engines: a job reports a difference)."""
+    found = dict.fromkeys(PREFIX_CACHE_METRICS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in PREFIX_CACHE_METRICS:
+            found[PREFIX_CACHE_METRICS[metric.name]] += int(metric.value)
+    return found
+
+
 def _flush_kv_connector(engine, steps: int = 2) -> None:
     """Let a KV connector finish the requests that are done decoding.
 
@@ -287,16 +331,23 @@ def main() -> None:
     # The package after vLLM, so that vLLM is the first to import torch, on its own terms.
     from speculators_peagle_plugin.engine.vllm_client import VllmJob
 
-    worker = Worker(emit)
+    def read() -> dict | None:
+        for line in iter(sys.stdin.readline, ""):
+            if line.strip():
+                return json.loads(line)
+        return None
+
+    worker = Worker(emit, read)
     emit({"event": "ready", "vllm_version": vllm.__version__, "in_process": _in_process()})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
+    while (request := read()) is not None:
         if request.get("op") == "quit":
             break
+        if request.get("op") != "run":
+            continue  # an answer to an open job that has failed meanwhile
         try:
             emit(worker.run(VllmJob.from_json(request["job"])))
+        except _Quit:
+            break
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises
             worker.shutdown()  # never reuse an engine a failed job may have left busy
             emit({"event": "error", "message": f"{type(exc).__name__}: {str(exc)[:2000]}"})
