@@ -388,8 +388,8 @@ def generate_responses(
         elapsed = time.perf_counter() - began
         cache = target.prefix_cache
         logger.info(
-            "Generated %d reply tokens for %d conversations in %.1f s (%.1f tokens/s)%s.",
-            tokens, len(todo), elapsed, tokens / elapsed,
+            "Generated %d reply tokens for %d %ss in %.1f s (%.1f tokens/s)%s.",
+            tokens, len(todo), _unit(prompts), elapsed, tokens / elapsed,
             f"; vLLM found {cache['hits']} of {cache['queries']} prompt tokens in its prefix "
             "cache" if cache["queries"] else "",
         )
