@@ -62,12 +62,12 @@ def generated(tmp_path_factory, target):
 
 
 def recording_events(generate):
-    def recording(self, prompts, seeds, on_reply, on_event=None, record=None):
+    def recording(self, prompts, seeds, on_reply, on_event=None, record=None, follow_ups=False):
         def both(event):
             REPLY_EVENTS.append(event)
             on_event(event)
 
-        return generate(self, prompts, seeds, on_reply, both, record)
+        return generate(self, prompts, seeds, on_reply, both, record, follow_ups)
 
     return recording
 
