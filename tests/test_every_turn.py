@@ -164,11 +164,13 @@ class FakeTarget:
     def generate(self, prompts, seeds, on_reply, on_event=None, record=None, follow_ups=False):
         pending = list(enumerate(zip(prompts, seeds, strict=True)))
         self.asked += prompts
+        given = len(prompts)  # this call's requests so far: the next one's index
         while pending:
             j, (prompt, seed) = pending.pop(self.rng.randrange(len(pending)))
             added = on_reply(j, _reply(prompt, seed)) or []
             assert follow_ups or not added
-            pending += [(len(self.asked) + n, request) for n, request in enumerate(added)]
+            pending += [(given + n, request) for n, request in enumerate(added)]
+            given += len(added)
             self.asked += [prompt for prompt, _ in added]
 
     def decode_reply(self, reply):
