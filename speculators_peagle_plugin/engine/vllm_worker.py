@@ -50,8 +50,10 @@ class _Quit(Exception):
 
 
 class Worker:
-    def __init__(self, emit, read):
-        self.emit, self.read = emit, read  # read(): the driver's next message, None at EOF
+    def __init__(self, emit, read=lambda: None):
+        # read(): the driver's next message, None at EOF (the default: no driver answers, so
+        # an open job ends at its first progress event)
+        self.emit, self.read = emit, read
         self.llm = None
         self.key = None
         self.serial = 0  # request ids stay unique across jobs on one engine
