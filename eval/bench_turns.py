@@ -10,8 +10,9 @@ Both arms run ``generate-data`` in this process on the demo's target and reply s
 fresh directory each, with the same prompts and seeds, so they draw the same replies (up to
 the rounding of batched arithmetic). The lockstep arm answers each turn's follow-ups as the
 next batch of the job, as the transformers backend does. Per arm: the replies stage's wall
-time (``generate_responses``) and the prompt tokens vLLM found in its prefix cache. The
-arms alternate ``--repeats`` times; the machine must be otherwise idle.
+time (``generate_responses``, its engine's start included) and the prompt tokens vLLM found
+in its prefix cache. The arms alternate ``--repeats`` times; the machine must be otherwise
+idle.
 
 The default cache is smaller than the demo's: a whole job's rounds (thousands of
 conversations) are larger than any cache, and ``--kv-cache-gb 1`` holds less than one round
@@ -76,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
     parser.add_argument("--prompts", default="sharegpt_turns[:256]")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--kv-cache-gb", type=int, default=1, help="vLLM's KV cache, GiB [1].")
     parser.add_argument("--repeats", type=int, default=2, help="Rounds of both arms [2].")
     args = parser.parse_args()
     demo = demo_inputs(Path(args.demo_dir))
