@@ -122,39 +122,8 @@ class Target:
         states of every token it computes; an engine that cannot record says why in the
         log once, and generates as usual.
         """
-        cfg, replies = self.config, self.config.replies
         if self.vllm is not None:
-            record = record if self.record_error is None else None
-            sampled = replies.temperature > 0  # greedy requests get no seed
-            job = VllmJob(
-                target=str(Path(cfg.target).resolve()), prompts=prompts,
-                max_tokens=replies.max_new_tokens, batch_size=replies.batch_size,
-                dtype=cfg.dtype, seed=cfg.seed, seeds=seeds if sampled else None,
-                temperature=replies.temperature, top_p=replies.top_p,
-                prefix_caching=True,
-                engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
-                extension=recording_extension(record) if record else None,
-                follow_ups=follow_ups,
-            )
-
-            def event(message: dict) -> FollowUps:
-                added = []
-                if message["event"] == "progress":
-                    completion = completion_tokens(message["token_ids"], self.eos_ids)
-                    added = on_reply(message["index"], completion) or []
-                if on_event is not None:
-                    on_event(message)
-                return [(prompt, seed if sampled else None) for prompt, seed in added]
-
-            result = self.vllm.run(job, event)
-            for key, tokens in result["prefix_cache"].items():
-                self.prefix_cache[key] += tokens
-            if record and (result["extension"] or {}).get("error"):
-                self.record_error = result["extension"]["error"]
-                logger.warning(
-                    "vLLM could not record the hidden states while generating (%s); a "
-                    "second pass will capture them.", self.record_error,
-                )
+            self._vllm_generate(prompts, seeds, on_reply, on_event, record, follow_ups)
             return
         first = 0
         while prompts:  # a batch, then the follow-ups its replies brought
@@ -163,6 +132,44 @@ class Target:
                 added += on_reply(first + j, completion) or []
             first += len(prompts)
             prompts, seeds = [p for p, _ in added], [seed for _, seed in added]
+
+    def _vllm_generate(
+        self, prompts, seeds, on_reply, on_event, record, follow_ups: bool
+    ) -> None:
+        """:meth:`generate` as one job of the running vLLM worker (an open job with
+        ``follow_ups``); adds its prefix-cache counts to ``prefix_cache``."""
+        cfg, replies = self.config, self.config.replies
+        record = record if self.record_error is None else None
+        sampled = replies.temperature > 0  # greedy requests get no seed
+        job = VllmJob(
+            target=str(Path(cfg.target).resolve()), prompts=prompts,
+            max_tokens=replies.max_new_tokens, batch_size=replies.batch_size,
+            dtype=cfg.dtype, seed=cfg.seed, seeds=seeds if sampled else None,
+            temperature=replies.temperature, top_p=replies.top_p,
+            prefix_caching=True,
+            engine_overrides={"tensor_parallel_size": cfg.tensor_parallel_size},
+            extension=recording_extension(record) if record else None,
+            follow_ups=follow_ups,
+        )
+
+        def event(message: dict) -> FollowUps:
+            added = []
+            if message["event"] == "progress":
+                completion = completion_tokens(message["token_ids"], self.eos_ids)
+                added = on_reply(message["index"], completion) or []
+            if on_event is not None:
+                on_event(message)
+            return [(prompt, seed if sampled else None) for prompt, seed in added]
+
+        result = self.vllm.run(job, event)
+        for key, tokens in result["prefix_cache"].items():
+            self.prefix_cache[key] += tokens
+        if record and (result["extension"] or {}).get("error"):
+            self.record_error = result["extension"]["error"]
+            logger.warning(
+                "vLLM could not record the hidden states while generating (%s); a "
+                "second pass will capture them.", self.record_error,
+            )
 
     @torch.no_grad()
     def _transformers_generate(self, prompts: list[list[int]], seeds: list[int]) -> list:
