@@ -3,6 +3,7 @@ wrapper, gradient-sync control."""
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -95,7 +96,8 @@ def process_group_of_run(clean_exits: tuple[type[BaseException], ...] = ()):
 
     A rank that exits with its gloo group alive can abort in the group's destructor during
     interpreter shutdown (SIGABRT, "terminate called without an active exception"), and
-    torchrun then fails a run that finished. The group goes on a normal return and on the
+    torchrun then fails a run that finished; so do the group's worker threads when anything
+    still holds it (:func:`_let_destroyed_groups_go`). The group goes on a normal return and on the
     exceptions in ``clean_exits``, which every rank raises at the same step; not on any
     other error, where a rank may still wait in a collective and destroying could hang.
     A group that existed before (the caller's own) is left alone.
@@ -106,6 +108,7 @@ def process_group_of_run(clean_exits: tuple[type[BaseException], ...] = ()):
         if created and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+            _let_destroyed_groups_go()
 
     try:
         yield
@@ -113,6 +116,24 @@ def process_group_of_run(clean_exits: tuple[type[BaseException], ...] = ()):
         leave()
         raise
     leave()
+
+
+def _let_destroyed_groups_go() -> None:
+    """Drops what still holds the destroyed groups, so that gloo joins their threads now.
+
+    ``destroy_process_group`` forgets a group, but a DeviceMesh (FSDP2's) still holds it, and
+    DTensor's sharding caches keep every mesh for the life of the process. The group's gloo
+    worker threads then outlive the run, and one of them can free a finished collective's
+    tensors after interpreter shutdown began: taking the GIL there aborts the rank (SIGABRT,
+    "terminate called without an active exception"). With the last holder gone, the group's
+    destructor runs here and joins its threads. Called only when every group of the process
+    was the run's own.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # the wrappers' own reference cycles (FSDP2's state, DDP's reducer)
+    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # torch keeps no public way to drop them
 
 
 class StepModule(nn.Module):
