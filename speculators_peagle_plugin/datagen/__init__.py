@@ -8,8 +8,8 @@ worker extension that records while vLLM generates) and ``vllm_connector`` (the 
 of the prefill pass), both loaded by vLLM in its worker, ``build_data`` (``generate_data``),
 ``output`` (its output directory: checked, locked, sized; the dataset written),
 ``online_states`` (states the target computes as training reads the rows), ``served_states``
-(states from running vLLM servers: the ``generation`` section), ``shard_plan``
-(which conversations a part of the data makes: ``--shard``, replicas), ``replicas``
-(``--data-parallel-size``) and ``join`` (``join-data``: the parts joined). Nothing is
-imported here: importing a generator is the caller's choice.
+(states from running vLLM servers: the ``generation`` section), ``vllm_servers`` (reaching
+those servers), ``shard_plan`` (which conversations a part of the data makes: ``--shard``,
+replicas), ``replicas`` (``--data-parallel-size``) and ``join`` (``join-data``: the parts
+joined). Nothing is imported here: importing a generator is the caller's choice.
 """

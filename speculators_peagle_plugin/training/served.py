@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from ..common.errors import UserError
 from ..data import TrainingData, hs_path, open_training_data
 from ..data.layout import HIDDEN_STATES_DIR, DataError
-from ..datagen.served_states import ServedHiddenStates, ServerUnreachable
+from ..datagen.served_states import ServedHiddenStates
+from ..datagen.vllm_servers import ServerUnreachable
 from .online_data import online_layer_ids
 
 if TYPE_CHECKING:
