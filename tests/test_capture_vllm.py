@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from speculators_peagle_plugin.cli import main
 from speculators_peagle_plugin.data import open_training_data
 from speculators_peagle_plugin.data.layout import SETTINGS_FILE
-from speculators_peagle_plugin.datagen import build_data
+from speculators_peagle_plugin.datagen import build_data, turn_state
 from speculators_peagle_plugin.datagen import generation as gen_mod
 from speculators_peagle_plugin.datagen.build_data import generate_replies
 from speculators_peagle_plugin.datagen.capture import capture_hidden_states
@@ -127,18 +127,18 @@ def test_sampled_replies_do_not_depend_on_the_batch_or_a_resume(target, tmp_path
 
     monkeypatch.setattr(gen_mod, "VLLM_BATCHES_PER_SHARD", 1)
     monkeypatch.setattr(gen_mod, "VLLM_SHARDS_PER_JOB", 1)
-    real, written = gen_mod.atomic_write_json, []
+    real, written = turn_state.atomic_write_json, []  # what writes a shard of replies
 
     def stop_after_one(path, *args, **kwargs):
         real(path, *args, **kwargs)
         written.append(path.name)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gen_mod, "atomic_write_json", stop_after_one)
+    monkeypatch.setattr(turn_state, "atomic_write_json", stop_after_one)
     with pytest.raises(KeyboardInterrupt):
         replies("resumed", 8)
     assert written == ["000000000-000000007.json"]
-    monkeypatch.setattr(gen_mod, "atomic_write_json", real)
+    monkeypatch.setattr(turn_state, "atomic_write_json", real)
     assert replies("resumed", 8) == whole
 
 

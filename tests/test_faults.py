@@ -307,7 +307,7 @@ def half_safetensors(tensors, path):
 
 
 @pytest.mark.parametrize(("module", "name", "n", "part"), [
-    ("generation", "atomic_write_json", 2, half_json),  # the second shard of replies
+    ("turn_state", "atomic_write_json", 2, half_json),  # the second shard of replies
     ("capture", "save_safetensors", 3, half_safetensors),  # the third row's hidden states
 ])
 @pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,6 @@ a stopped run takes its conversations up again from their last saved turn.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,14 +24,13 @@ import torch
 
 from ..common.dtypes import DTYPES
 from ..common.errors import UserError
-from ..common.files import atomic_write_json
 from ..data.layout import RESPONSES_DIR, VLLM_LOG_FILE, mix_seed
 from ..data.prompts import render_conversation
 from ..engine.engine_start import check_parallel_size
 from ..engine.vllm_client import VllmJob, VllmWorker
 from ..model.target import eos_token_ids, load_target_model
 from .datagen_config import VLLM_BATCHES_PER_SHARD, VLLM_SHARDS_PER_JOB, DataGenConfig
-from .turn_state import Conversations, TurnFiles
+from .turn_state import Conversations, ShardFiles, TurnFiles, done_shards
 from .vllm_recorder import recording_extension
 
 logger = logging.getLogger(__name__)
@@ -300,42 +298,6 @@ def _regenerate(
     return generated
 
 
-def _done_shards(responses: Path) -> dict[int, list[dict]]:
-    """Rows of every prompt already regenerated (one JSON shard per finished batch)."""
-    done: dict[int, list[dict]] = {}
-    for shard in sorted(responses.glob("*.json")):
-        try:
-            done.update({int(k): v for k, v in json.loads(shard.read_text()).items()})
-        except (ValueError, AttributeError):  # unreadable: written by hand or damaged
-            shard.unlink()
-    return done
-
-
-class _ShardFiles:
-    """The resume files of one job's conversations (``job``: their prompt indices), each
-    written as soon as the last of its ``shard_size`` conversations is complete."""
-
-    def __init__(self, responses: Path, job: list[int], shard_size: int, done: dict, bar):
-        self.responses, self.job, self.shard_size, self.done, self.bar = (
-            responses, job, shard_size, done, bar,
-        )
-        self.left = [len(job[s : s + shard_size]) for s in range(0, len(job), shard_size)]
-
-    def complete(self, k: int, rows: list[dict]) -> None:
-        """Conversation ``k`` of the job has all its rows."""
-        self.done[self.job[k]] = rows
-        self.bar.update(1)
-        n = k // self.shard_size
-        self.left[n] -= 1
-        if self.left[n] == 0:
-            shard = self.job[n * self.shard_size : (n + 1) * self.shard_size]
-            atomic_write_json(
-                self.responses / f"{shard[0]:09d}-{shard[-1]:09d}.json",
-                {str(i): self.done[i] for i in shard},
-                indent=None,
-            )
-
-
 def _unit(prompts: list[list[dict]]) -> str:
     """What the progress bar counts: a finished conversation, which is one reply unless some
     conversation has several user turns."""
@@ -361,7 +323,7 @@ def generate_responses(
     prompts = [turns for turns in prompts for _ in range(cfg.replies.num_samples)]
     responses = output / RESPONSES_DIR
     responses.mkdir(exist_ok=True)
-    done = _done_shards(responses)
+    done = done_shards(responses)
     turns = TurnFiles(responses)
     start, stop = (0, len(prompts)) if span is None else span
     todo = [i for i in range(start, stop) if i not in done]
@@ -382,7 +344,7 @@ def generate_responses(
 
         for j in range(0, len(todo), job_size):
             job = todo[j : j + job_size]
-            shards = _ShardFiles(responses, job, shard_size, done, bar)
+            shards = ShardFiles(responses, job, shard_size, done, bar)
             conversations = [prompts[i] for i in job]
             tokens += _regenerate(
                 target, conversations, job, cfg.seed, shards.complete, live, record,

@@ -1,6 +1,7 @@
-"""Where a regeneration of conversations of several user turns stands: each conversation's
-finished turns (:class:`Conversations`) and the files that keep them across a stop
-(:class:`TurnFiles`), for :mod:`.generation`.
+"""Where a regeneration stands, for :mod:`.generation`: the finished conversations' shards
+(:func:`done_shards`, :class:`ShardFiles`), and for conversations of several user turns each
+one's finished turns (:class:`Conversations`) and the files that keep them across a stop
+(:class:`TurnFiles`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,39 @@ class TurnFiles:
         for path in self.responses.glob("*.turns"):
             if all(int(i) in done for i in json.loads(path.read_text())):
                 path.unlink()
+
+
+def done_shards(responses: Path) -> dict[int, list[dict]]:
+    """Rows of every prompt already regenerated (one JSON shard per finished batch)."""
+    done: dict[int, list[dict]] = {}
+    for shard in sorted(responses.glob("*.json")):
+        try:
+            done.update({int(k): v for k, v in json.loads(shard.read_text()).items()})
+        except (ValueError, AttributeError):  # unreadable: written by hand or damaged
+            shard.unlink()
+    return done
+
+
+class ShardFiles:
+    """The resume files of one job's conversations (``job``: their prompt indices), each
+    written as soon as the last of its ``shard_size`` conversations is complete."""
+
+    def __init__(self, responses: Path, job: list[int], shard_size: int, done: dict, bar):
+        self.responses, self.job, self.shard_size, self.done, self.bar = (
+            responses, job, shard_size, done, bar,
+        )
+        self.left = [len(job[s : s + shard_size]) for s in range(0, len(job), shard_size)]
+
+    def complete(self, k: int, rows: list[dict]) -> None:
+        """Conversation ``k`` of the job has all its rows."""
+        self.done[self.job[k]] = rows
+        self.bar.update(1)
+        n = k // self.shard_size
+        self.left[n] -= 1
+        if self.left[n] == 0:
+            shard = self.job[n * self.shard_size : (n + 1) * self.shard_size]
+            atomic_write_json(
+                self.responses / f"{shard[0]:09d}-{shard[-1]:09d}.json",
+                {str(i): self.done[i] for i in shard},
+                indent=None,
+            )
