@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eval.ablate import _variant_yaml, parse_variant, train_command
 from eval.demo_run import demo_inputs
+from eval.processes import exit_on_sigterm
 from speculators_peagle_plugin.common.devices import cpu_shares, start_on_cores, usable_cores
 from speculators_peagle_plugin.common.files import METRICS_FILE
 
@@ -54,6 +55,7 @@ def arm(demo: dict, config: Path, shares: list, steps: int, skip: int, root: Pat
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", metavar="FIELD=VALUE")
     parser.add_argument("--demo-dir", default="runs/demo")

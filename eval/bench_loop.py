@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eval.processes import exit_on_sigterm
+
 SIDES = ("bare", "loop", "in-line")
 
 
@@ -104,6 +106,7 @@ def run_loop(args, ahead: bool = True) -> list[float]:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--data", required=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from eval.demo_run import REPO, demo_inputs, run_command, served_acceptance
-from eval.processes import free_port, started, wait_healthy
+from eval.processes import exit_on_sigterm, free_port, started, wait_healthy
 from speculators_peagle_plugin.common.files import atomic_write_json
 from speculators_peagle_plugin.evaluation.report import provenance
 
@@ -343,6 +343,7 @@ def _seeds_and_steps(args, inputs: dict) -> tuple[list[int], int]:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
+    exit_on_sigterm()
     inputs = bench_inputs(args)
     if args.serve and "eval_prompts" not in inputs:
         raise SystemExit("--serve serves on the demo's prompt sets: give --demo-dir.")

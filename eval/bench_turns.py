@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from eval.demo_run import demo_inputs
+from eval.processes import exit_on_sigterm
 from speculators_peagle_plugin.cli import main as cli
 from speculators_peagle_plugin.datagen import build_data, generation
 
@@ -74,6 +75,7 @@ def arm(args: list[str], in_lockstep: bool) -> dict:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo-dir", default="runs/demo")
     parser.add_argument("--prompts", default="sharegpt_turns[:256]")

@@ -1,6 +1,6 @@
 """Processes the benchmarks start and stop: a command running for a block (its whole process
-group stopped afterwards), a free loopback port, and a server waited on until ``/health``
-answers."""
+group stopped afterwards), a free loopback port, a server waited on until ``/health``
+answers, and a benchmark that SIGTERM stops as it stops on an error."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +18,13 @@ from pathlib import Path
 from eval.demo_run import REPO
 
 START_S = 600  # how long a `vllm serve` may take to answer: a CPU engine starting on a busy machine
+
+
+def exit_on_sigterm() -> None:
+    """From now on SIGTERM raises ``SystemExit`` in the main thread, so a benchmark that is
+    stopped leaves its ``with`` blocks as on any other exit: its temporary directories are
+    deleted and the servers it started (their own sessions) are stopped, not left behind."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def free_port() -> int:
